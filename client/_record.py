@@ -1,0 +1,252 @@
+"""The route record: what one completion routed, token by token and MoE layer by MoE layer."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._errors import RouteShapeError
+
+__all__ = ["RouteRecord", "expert_dtype"]
+
+
+def expert_dtype(num_experts: int) -> np.dtype:
+    """The narrowest unsigned dtype that holds expert ids of a model with ``num_experts`` experts."""
+    if num_experts < 1:
+        raise RouteShapeError(f"num_experts must be >= 1, got {num_experts}")
+    if num_experts <= 256:
+        return np.dtype(np.uint8)
+    if num_experts <= 65536:
+        return np.dtype(np.uint16)
+    raise RouteShapeError(f"num_experts={num_experts} exceeds 65536, the widest supported id")
+
+
+@dataclass(eq=False)
+class RouteRecord:
+    """Routed experts of one sequence (prompt + completion) as the engine computed them.
+
+    Attributes:
+        token_ids: ``[T]`` int64 — prompt then completion token ids, exactly as the engine saw them.
+        experts: ``[T, M, K]`` uint8 (``num_experts <= 256``) or uint16 — row ``t`` holds the top-k
+            experts token ``t`` was routed to in each of the ``M`` MoE layers. The slot order within
+            a row is the engine's (by score); it is kept unless a canonical order was asked for.
+            May be a non-contiguous view (records decoded from storage are layer-major underneath,
+            see :meth:`layer_major`).
+        valid: ``[T]`` bool — rows that carry a real route. False for the final sampled token (an
+            engine never routes it), for rows an engine could not return, and for filler rows.
+        moe_layers: global 0-based indices of the MoE layers among all ``num_layers`` transformer
+            layers, ascending; ``experts[:, i]`` belongs to layer ``moe_layers[i]``. Dense layers
+            are simply absent: they are never stored as zeros that could pass for expert 0.
+        num_layers: the model's total number of transformer layers (dense ones included).
+        num_experts: routed experts per MoE layer (E).
+        prompt_len: number of prompt tokens at the start of ``token_ids``.
+        num_cached_tokens: prompt tokens the engine served from its prefix cache.
+        model: model name the routes were computed with.
+        metadata: small free-form str/int/float/bool annotations (request id, engine, ...).
+    """
+
+    token_ids: np.ndarray
+    experts: np.ndarray
+    valid: np.ndarray
+    moe_layers: tuple[int, ...]
+    num_layers: int
+    num_experts: int
+    prompt_len: int = 0
+    num_cached_tokens: int = 0
+    model: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.token_ids = np.asarray(self.token_ids)
+        if self.token_ids.dtype != np.int64:
+            self.token_ids = self.token_ids.astype(np.int64)
+        self.valid = np.asarray(self.valid, dtype=bool)
+        self.moe_layers = tuple(int(x) for x in self.moe_layers)
+        self.metadata = dict(self.metadata)
+        self.validate()
+
+    # -- shape ------------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        """T: tokens (and rows) in the record."""
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_moe_layers(self) -> int:
+        """M: MoE layers in the record."""
+        return len(self.moe_layers)
+
+    @property
+    def top_k(self) -> int:
+        """K: experts per token per layer."""
+        return int(self.experts.shape[2])
+
+    @property
+    def completion_len(self) -> int:
+        return self.num_tokens - self.prompt_len
+
+    def layer_major(self) -> np.ndarray:
+        """``[M, T, K]`` view (a copy only if the storage is token-major), the trainer's layout."""
+        return np.ascontiguousarray(self.experts.transpose(1, 0, 2))
+
+    def validate(self) -> None:
+        """Raise :class:`RouteShapeError` naming the first inconsistency."""
+        t = self.token_ids
+        if t.ndim != 1:
+            raise RouteShapeError(f"token_ids must be 1-D [T], got shape {t.shape}")
+        if t.size and (t.min() < 0 or t.max() > np.iinfo(np.uint32).max):
+            raise RouteShapeError("token_ids must lie in [0, 2**32)")
+        e = self.experts
+        if not isinstance(e, np.ndarray) or e.ndim != 3:
+            raise RouteShapeError(
+                f"experts must be a 3-D array [T, M, K], got {getattr(e, 'shape', type(e))}"
+            )
+        want = expert_dtype(self.num_experts)
+        if e.dtype != want:
+            raise RouteShapeError(
+                f"experts dtype must be {want} for num_experts={self.num_experts}, got {e.dtype}"
+            )
+        T = t.shape[0]
+        if e.shape[0] != T:
+            raise RouteShapeError(f"experts has {e.shape[0]} rows but token_ids has {T} tokens")
+        if e.shape[1] != len(self.moe_layers):
+            raise RouteShapeError(
+                f"experts has {e.shape[1]} layers but moe_layers lists {len(self.moe_layers)}"
+            )
+        if e.shape[2] < 1 or e.shape[2] > self.num_experts:
+            raise RouteShapeError(f"top_k={e.shape[2]} must be in [1, num_experts={self.num_experts}]")
+        if self.valid.shape != (T,):
+            raise RouteShapeError(f"valid must have shape ({T},), got {self.valid.shape}")
+        ml = self.moe_layers
+        if any(b <= a for a, b in zip(ml, ml[1:], strict=False)):
+            raise RouteShapeError(f"moe_layers must be strictly ascending, got {list(ml)}")
+        if ml and (ml[0] < 0 or ml[-1] >= self.num_layers):
+            raise RouteShapeError(
+                f"moe_layers {list(ml)} out of range for num_layers={self.num_layers}"
+            )
+        if not 0 <= self.prompt_len <= T:
+            raise RouteShapeError(f"prompt_len={self.prompt_len} out of range [0, {T}]")
+        if not 0 <= self.num_cached_tokens <= self.prompt_len:
+            raise RouteShapeError(
+                f"num_cached_tokens={self.num_cached_tokens} out of range [0, {self.prompt_len}]"
+            )
+        # Every stored id (invalid rows too) must be a real expert: one vectorised max, no copy.
+        if e.size and self.num_experts < np.iinfo(e.dtype).max + 1:
+            top = int(e.max())
+            if top >= self.num_experts:
+                raise RouteShapeError(f"expert id {top} >= num_experts={self.num_experts}")
+
+    # -- construction -----------------------------------------------------------------------------
+    @classmethod
+    def from_engine(
+        cls,
+        routed_experts: np.ndarray,
+        token_ids: Sequence[int] | np.ndarray,
+        *,
+        prompt_len: int,
+        num_experts: int,
+        moe_layers: Sequence[int],
+        num_layers: int | None = None,
+        num_cached_tokens: int = 0,
+        row_start: int = 0,
+        model: str = "",
+        metadata: Mapping[str, Any] | None = None,
+    ) -> RouteRecord:
+        """Build a record from an engine's ``routed_experts`` array.
+
+        ``routed_experts`` is vLLM's ``CompletionOutput.routed_experts``: ``[R, num_layers, K]``
+        covering token rows ``row_start .. row_start + R`` (vLLM returns ``T - 1`` rows: the last
+        sampled token is never routed). Dense layers come back as all-zero rows; they are dropped
+        by ``moe_layers`` (global indices), never by an offset. Rows the engine did not return are
+        marked invalid.
+        """
+        arr = np.asarray(routed_experts)
+        tok = np.asarray(token_ids, dtype=np.int64)
+        T = tok.shape[0]
+        if arr.ndim != 3:
+            raise RouteShapeError(f"routed_experts must be [rows, layers, top_k], got {arr.shape}")
+        L = arr.shape[1] if num_layers is None else num_layers
+        if arr.shape[1] != L:
+            raise RouteShapeError(f"routed_experts has {arr.shape[1]} layers, model has {L}")
+        R = arr.shape[0]
+        if row_start < 0 or row_start + R > T:
+            raise RouteShapeError(
+                f"routed_experts rows [{row_start}, {row_start + R}) exceed the {T} tokens"
+            )
+        moe = tuple(int(x) for x in moe_layers)
+        dense = sorted(set(range(L)) - set(moe))
+        if dense and R and np.any(arr[:, dense, :]):
+            raise RouteShapeError(
+                f"layers {dense} are marked dense but the engine returned non-zero experts there"
+            )
+        dt = expert_dtype(num_experts)
+        experts = np.zeros((T, len(moe), arr.shape[2]), dtype=dt)
+        experts[row_start : row_start + R] = arr[:, list(moe), :]
+        valid = np.zeros(T, dtype=bool)
+        valid[row_start : row_start + R] = True
+        return cls(
+            token_ids=tok,
+            experts=experts,
+            valid=valid,
+            moe_layers=moe,
+            num_layers=L,
+            num_experts=num_experts,
+            prompt_len=prompt_len,
+            num_cached_tokens=num_cached_tokens,
+            model=model,
+            metadata=dict(metadata or {}),
+        )
+
+    # -- slicing and comparison -------------------------------------------------------------------
+    def rows(self, start: int = 0, stop: int | None = None) -> RouteRecord:
+        """The record restricted to token positions ``[start, stop)`` (prompt_len clipped)."""
+        T = self.num_tokens
+        stop = T if stop is None else stop
+        if not 0 <= start <= stop <= T:
+            raise RouteShapeError(f"row range [{start}, {stop}) out of range for {T} tokens")
+        pl = min(max(self.prompt_len - start, 0), stop - start)
+        return RouteRecord(
+            token_ids=self.token_ids[start:stop],
+            experts=self.experts[start:stop],
+            valid=self.valid[start:stop],
+            moe_layers=self.moe_layers,
+            num_layers=self.num_layers,
+            num_experts=self.num_experts,
+            prompt_len=pl,
+            num_cached_tokens=min(self.num_cached_tokens, pl),
+            model=self.model,
+            metadata={**self.metadata, "row_start": start} if start else self.metadata,
+        )
+
+    def same_routes(self, other: RouteRecord) -> bool:
+        """True if token ids, validity, layers and every expert id are equal."""
+        return (
+            self.moe_layers == other.moe_layers
+            and self.num_experts == other.num_experts
+            and np.array_equal(self.token_ids, other.token_ids)
+            and np.array_equal(self.valid, other.valid)
+            and self.experts.shape == other.experts.shape
+            and np.array_equal(self.experts, other.experts)
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RouteRecord):
+            return NotImplemented
+        return (
+            self.same_routes(other)
+            and self.num_layers == other.num_layers
+            and self.prompt_len == other.prompt_len
+            and self.num_cached_tokens == other.num_cached_tokens
+            and self.model == other.model
+            and self.metadata == other.metadata
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"RouteRecord(T={self.num_tokens}, M={self.num_moe_layers}, K={self.top_k}, "
+            f"E={self.num_experts}, prompt_len={self.prompt_len}, "
+            f"valid={int(self.valid.sum())}/{self.num_tokens}, model={self.model!r})"
+        )

@@ -1,0 +1,52 @@
+"""``routereplay`` command line: one entry point, subcommands imported lazily.
+
+Lazy imports keep ``routereplay bench store`` usable with only the light client installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> "module:function"; each function takes the remaining argv and returns an exit code.
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("routereplay.service.cli:serve_main", "run the OpenAI-compatible capture service"),
+    "build-model": (
+        "routereplay.service.cli:build_model_main",
+        "build the tiny deterministic Qwen3-MoE model used by the embedded default",
+    ),
+    "bench": ("routereplay.cli:_bench_main", "benchmarks: store | service | trainer"),
+}
+
+_BENCHES: dict[str, str] = {
+    "store": "routereplay.client._bench:main",
+    "service": "routereplay.service.bench:main",
+    "trainer": "routereplay.trainer_adapter.bench:main",
+}
+
+
+def _load(target: str):
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def _bench_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="routereplay bench")
+    p.add_argument("which", choices=sorted(_BENCHES))
+    args, rest = p.parse_known_args(argv)
+    return int(_load(_BENCHES[args.which])(rest) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in _COMMANDS:
+        print("usage: routereplay <command> [options]\n\ncommands:")
+        for name, (_, helptext) in _COMMANDS.items():
+            print(f"  {name:12s} {helptext}")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return int(_load(_COMMANDS[argv[0]][0])(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

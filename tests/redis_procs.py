@@ -1,0 +1,127 @@
+"""Real redis-server processes on free loopback ports, for tests and benchmarks.
+
+Never touches the machine's shared Redis on 6379: every instance here gets its own port and
+working directory and is killed on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["free_port", "redis_server", "redis_cluster"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise RuntimeError(f"{name} not found on PATH (.ci/run installs it with apt-get)")
+    return path
+
+
+def _wait_ping(port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"redis-server on port {port} did not answer PING within {timeout}s")
+
+
+def _start(port: int, workdir: Path, *extra: str) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [
+            _binary("redis-server"),
+            "--port", str(port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(workdir),
+            "--protected-mode", "no",
+            *extra,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    _wait_ping(port)
+    return proc
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[str]:
+    """A standalone redis-server; yields its URL."""
+    with tempfile.TemporaryDirectory(prefix="rr-redis-") as d:
+        port = free_port()
+        proc = _start(port, Path(d))
+        try:
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            _stop([proc])
+
+
+@contextlib.contextmanager
+def redis_cluster(masters: int = 3) -> Iterator[str]:
+    """A Redis Cluster of ``masters`` masters (no replicas) on loopback; yields one node's URL."""
+    with tempfile.TemporaryDirectory(prefix="rr-cluster-") as d:
+        ports = [free_port() for _ in range(masters)]
+        procs: list[subprocess.Popen] = []
+        try:
+            for p in ports:
+                wd = Path(d) / str(p)
+                wd.mkdir()
+                procs.append(
+                    _start(p, wd, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                           "--cluster-node-timeout", "5000")
+                )
+            subprocess.run(
+                [_binary("redis-cli"), "--cluster", "create",
+                 *[f"127.0.0.1:{p}" for p in ports], "--cluster-replicas", "0", "--cluster-yes"],
+                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=60,
+            )
+            _wait_cluster_ok(ports)
+            yield f"redis://127.0.0.1:{ports[0]}/0"
+        finally:
+            _stop(procs)
+
+
+def _wait_cluster_ok(ports: list[int], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    cli = _binary("redis-cli")
+    while time.monotonic() < deadline:
+        ok = all(
+            "cluster_state:ok"
+            in subprocess.run([cli, "-p", str(p), "cluster", "info"], capture_output=True,
+                              text=True).stdout
+            for p in ports
+        )
+        if ok:
+            return
+        time.sleep(0.2)
+    raise RuntimeError("redis cluster did not reach cluster_state:ok")
