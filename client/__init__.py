@@ -16,11 +16,18 @@ from ._errors import (
     RouteTruncatedError,
     RouteVersionError,
 )
+from ._layout import DEFAULT_BLOCK_SIZE, DEFAULT_TTL_S, KeySchema, PutResult, validate_route_id
 from ._record import RouteRecord, expert_dtype
+from ._store import AsyncRouteStore, RouteStore
 
 __all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_TTL_S",
     "FORMAT_VERSION",
     "MEDIA_TYPE",
+    "AsyncRouteStore",
+    "KeySchema",
+    "PutResult",
     "RouteConnectionError",
     "RouteCorruptError",
     "RouteError",
@@ -29,9 +36,11 @@ __all__ = [
     "RouteRecord",
     "RouteServiceError",
     "RouteShapeError",
+    "RouteStore",
     "RouteTruncatedError",
     "RouteVersionError",
     "decode_record",
     "encode_record",
     "expert_dtype",
+    "validate_route_id",
 ]

@@ -2,7 +2,7 @@
 
 Frame (every blob routereplay writes)::
 
-    magic "RRTE" | version u8 | kind u8 | reserved u16 | payload_len u32 | crc32(payload) u32 | payload
+    magic "RRTE" | version u8 | kind u8 | reserved u16 | payload_len u32 | crc32 u32 | payload
 
 The payload is a msgpack map. Record and chunk payloads carry one zstd frame ``body``::
 
@@ -258,7 +258,15 @@ def encode_body(
         experts_lm = canonicalize(experts_lm)
     xf = XF_PLAIN
     rows: bytes | None = None
-    if canonical_order and rank_bits(num_experts, K) is not None and experts_lm.size:
+    # Ranks exist only for rows of distinct experts (always true of routed rows; invalid rows an
+    # engine left as zeros are not): otherwise fall back to the exact transforms.
+    rankable = (
+        canonical_order
+        and rank_bits(num_experts, K) is not None
+        and experts_lm.size > 0
+        and bool(np.all(experts_lm[..., 1:] > experts_lm[..., :-1]))
+    )
+    if rankable:
         plain_est = _entropy_bits(_sample_bytes(experts_lm))
         delta_lm = _delta(experts_lm)
         delta_est = _entropy_bits(_sample_bytes(delta_lm))

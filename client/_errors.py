@@ -6,12 +6,12 @@ __all__ = [
     "RouteConnectionError",
     "RouteCorruptError",
     "RouteError",
+    "RouteForeignFormatError",
     "RouteNotFoundError",
+    "RouteServiceError",
     "RouteShapeError",
     "RouteTruncatedError",
     "RouteVersionError",
-    "RouteForeignFormatError",
-    "RouteServiceError",
 ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +15,7 @@ __all__ = ["RouteRecord", "expert_dtype"]
 
 
 def expert_dtype(num_experts: int) -> np.dtype:
-    """The narrowest unsigned dtype that holds expert ids of a model with ``num_experts`` experts."""
+    """The narrowest unsigned dtype for expert ids of a model with ``num_experts`` experts."""
     if num_experts < 1:
         raise RouteShapeError(f"num_experts must be >= 1, got {num_experts}")
     if num_experts <= 256:
@@ -117,11 +118,13 @@ class RouteRecord:
                 f"experts has {e.shape[1]} layers but moe_layers lists {len(self.moe_layers)}"
             )
         if e.shape[2] < 1 or e.shape[2] > self.num_experts:
-            raise RouteShapeError(f"top_k={e.shape[2]} must be in [1, num_experts={self.num_experts}]")
+            raise RouteShapeError(
+                f"top_k={e.shape[2]} must be in [1, num_experts={self.num_experts}]"
+            )
         if self.valid.shape != (T,):
             raise RouteShapeError(f"valid must have shape ({T},), got {self.valid.shape}")
         ml = self.moe_layers
-        if any(b <= a for a, b in zip(ml, ml[1:], strict=False)):
+        if any(b <= a for a, b in itertools.pairwise(ml)):
             raise RouteShapeError(f"moe_layers must be strictly ascending, got {list(ml)}")
         if ml and (ml[0] < 0 or ml[-1] >= self.num_layers):
             raise RouteShapeError(

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from redis_procs import redis_cluster, redis_server  # noqa: E402
+from redis_procs import redis_cluster, redis_server
 
 
 @pytest.fixture(scope="session")

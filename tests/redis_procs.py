@@ -7,6 +7,7 @@ working directory and is killed on exit.
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
 import socket
 import subprocess
@@ -15,13 +16,32 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["free_port", "redis_server", "redis_cluster"]
+__all__ = ["free_port", "redis_cluster", "redis_server"]
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(20000, 45000)
+        if _bindable(port) and _bindable(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
 
 
 def _binary(name: str) -> str:
@@ -49,12 +69,18 @@ def _start(port: int, workdir: Path, *extra: str) -> subprocess.Popen:
     proc = subprocess.Popen(
         [
             _binary("redis-server"),
-            "--port", str(port),
-            "--bind", "127.0.0.1",
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", str(workdir),
-            "--protected-mode", "no",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+            "--protected-mode",
+            "no",
             *extra,
         ],
         stdout=subprocess.DEVNULL,
@@ -90,20 +116,42 @@ def redis_server() -> Iterator[str]:
 def redis_cluster(masters: int = 3) -> Iterator[str]:
     """A Redis Cluster of ``masters`` masters (no replicas) on loopback; yields one node's URL."""
     with tempfile.TemporaryDirectory(prefix="rr-cluster-") as d:
-        ports = [free_port() for _ in range(masters)]
+        ports: list[int] = []
+        while len(ports) < masters:
+            p = _cluster_port()
+            if p not in ports:
+                ports.append(p)
         procs: list[subprocess.Popen] = []
         try:
             for p in ports:
                 wd = Path(d) / str(p)
                 wd.mkdir()
                 procs.append(
-                    _start(p, wd, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                           "--cluster-node-timeout", "5000")
+                    _start(
+                        p,
+                        wd,
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                        "--cluster-node-timeout",
+                        "5000",
+                    )
                 )
             subprocess.run(
-                [_binary("redis-cli"), "--cluster", "create",
-                 *[f"127.0.0.1:{p}" for p in ports], "--cluster-replicas", "0", "--cluster-yes"],
-                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=60,
+                [
+                    _binary("redis-cli"),
+                    "--cluster",
+                    "create",
+                    *[f"127.0.0.1:{p}" for p in ports],
+                    "--cluster-replicas",
+                    "0",
+                    "--cluster-yes",
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+                timeout=60,
             )
             _wait_cluster_ok(ports)
             yield f"redis://127.0.0.1:{ports[0]}/0"
@@ -117,8 +165,9 @@ def _wait_cluster_ok(ports: list[int], timeout: float = 30.0) -> None:
     while time.monotonic() < deadline:
         ok = all(
             "cluster_state:ok"
-            in subprocess.run([cli, "-p", str(p), "cluster", "info"], capture_output=True,
-                              text=True).stdout
+            in subprocess.run(
+                [cli, "-p", str(p), "cluster", "info"], capture_output=True, text=True
+            ).stdout
             for p in ports
         )
         if ok:

@@ -1,0 +1,384 @@
+"""RouteStore (sync) and AsyncRouteStore (asyncio): route records in Redis or Redis Cluster.
+
+Each operation is written once, as a generator that yields batches of Redis commands and receives
+their replies (``_put``, ``_get_many``, ``_fill``); the sync store runs it with blocking pipelines,
+the async store awaits them, so the two mirror each other name for name with no copied logic.
+Every batch goes through a non-transactional pipeline, which redis-py routes per slot on a
+cluster, so one code path serves ``Redis`` and ``RedisCluster``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Generator, Iterator, Sequence
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.cluster import RedisCluster
+
+from ._errors import RouteConnectionError, RouteCorruptError, RouteNotFoundError
+from ._layout import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_TTL_S,
+    Block,
+    KeySchema,
+    Manifest,
+    PutPlan,
+    PutResult,
+    apply_fill,
+    assemble,
+    decode_chunk,
+    parse_manifest,
+    plan_fill,
+    plan_put,
+    validate_route_id,
+)
+from ._record import RouteRecord
+
+__all__ = ["AsyncRouteStore", "RouteStore"]
+
+_CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+# Records above this many raw bytes are encoded/decoded in a worker thread by AsyncRouteStore,
+# so a long completion does not stall the event loop that serves other requests.
+_OFFLOAD_BYTES = 256 * 1024
+
+
+def _split_url(url: str, cluster: bool | None) -> tuple[str, bool]:
+    scheme, _sep, rest = url.partition("://")
+    if scheme in _CLUSTER_SCHEMES:
+        return f"{_CLUSTER_SCHEMES[scheme]}://{rest}", True
+    return url, bool(cluster)
+
+
+@contextlib.contextmanager
+def _redis_errors(where: str) -> Iterator[None]:
+    try:
+        yield
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise RouteConnectionError(f"redis {where}: {exc}") from exc
+    except redis.exceptions.ClusterError as exc:
+        raise RouteConnectionError(f"redis cluster {where}: {exc}") from exc
+
+
+def _missing_chunk(m: Manifest, key: str) -> RouteCorruptError:
+    return RouteCorruptError(
+        f"route {m.route_id!r}: chunk {key} named by its manifest is missing "
+        "(expired or evicted before the manifest)"
+    )
+
+
+# A batch of commands: (pipeline method name, args, kwargs). An operation yields batches and is
+# sent back each batch's replies; its return value is the operation's result.
+Command = tuple[str, tuple[Any, ...], dict[str, Any]]
+Op = Generator[list[Command], list[Any], Any]
+
+
+def _cmd(name: str, *args: Any, **kwargs: Any) -> Command:
+    return (name, args, kwargs)
+
+
+def _put(plan: PutPlan, ttl: int) -> Op:
+    """Chunks first (NX), then index entries, then the manifest: no reader sees a partial one."""
+    replies = yield [
+        c
+        for key in plan.chunk_keys
+        for c in (_cmd("exists", key), _cmd("expire", key, ttl, gt=True))
+    ]
+    missing = [i for i, e in enumerate(replies[0::2]) if not e]
+    raced: list[int] = []
+    written = 0
+    if missing:
+        replies = yield [
+            _cmd("set", plan.chunk_keys[i], plan.chunk_blob(i), nx=True, ex=ttl) for i in missing
+        ]
+        raced = [i for i, ok in zip(missing, replies, strict=True) if not ok]
+        written = sum(len(plan.chunk_blob(i)) for i in missing if i not in raced)
+        if raced:  # a concurrent writer stored it first: make it outlive our manifest
+            yield [_cmd("expire", plan.chunk_keys[i], ttl, gt=True) for i in raced]
+    yield [
+        *(_cmd("set", key, digest, ex=ttl) for key, digest in plan.index_entries),
+        _cmd("set", plan.manifest_key, plan.manifest_blob, ex=ttl),
+    ]
+    return PutResult(
+        route_id=plan.route_id,
+        num_tokens=plan.record.num_tokens,
+        chunks_total=len(plan.chunk_keys),
+        chunks_written=len(missing) - len(raced),
+        bytes_written=written + len(plan.manifest_blob),
+        manifest_bytes=len(plan.manifest_blob),
+    )
+
+
+def _get_many(keys: KeySchema, ids: list[str], start: int, missing_ok: bool) -> Op:
+    blobs = yield [_cmd("get", keys.manifest(rid)) for rid in ids]
+    manifests: list[Manifest | None] = []
+    for rid, blob in zip(ids, blobs, strict=True):
+        if blob is None and not missing_ok:
+            raise RouteNotFoundError(rid)
+        manifests.append(None if blob is None else parse_manifest(keys, rid, blob))
+    wanted: dict[str, tuple[Manifest, int]] = {}
+    for m in manifests:
+        if m is not None:
+            for i in m.needed(start):
+                wanted.setdefault(m.chunk_keys[i], (m, i))
+    blobs = (yield [_cmd("get", key) for key in wanted]) if wanted else []
+    blocks: dict[str, Block] = {}
+    for (key, (m, i)), blob in zip(wanted.items(), blobs, strict=True):
+        if blob is None:
+            raise _missing_chunk(m, key)
+        blocks[key] = decode_chunk(key, blob, m, i)
+    return [None if m is None else assemble(m, blocks, start) for m in manifests]
+
+
+def _fill(keys: KeySchema, record: RouteRecord, block_size: int) -> Op:
+    plan = plan_fill(keys, record, block_size)
+    if not plan.blocks:
+        return record, 0
+    digests = yield [_cmd("get", key) for key in plan.index_keys]
+    hits = [(i, keys.chunk(d)) for i, d in zip(plan.blocks, digests, strict=True) if d]
+    if not hits:
+        return record, 0
+    blobs = yield [_cmd("get", key) for _, key in hits]
+    found = {i: (key, b) for (i, key), b in zip(hits, blobs, strict=True) if b is not None}
+    return apply_fill(plan, found)
+
+
+class _Common:
+    def __init__(
+        self,
+        client: Any,
+        *,
+        prefix: str = "rr",
+        ttl_s: int = DEFAULT_TTL_S,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        where: str = "",
+    ) -> None:
+        if ttl_s < 1:
+            raise ValueError(f"ttl_s must be >= 1, got {ttl_s}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.redis = client
+        self.keys = KeySchema(prefix)
+        self.ttl_s = ttl_s
+        self.block_size = block_size
+        self._where = where or repr(client)
+
+    def _pipe(self, batch: list[Command]) -> Any:
+        # RedisCluster pipelines are never transactional and take no such argument.
+        if isinstance(self.redis, (RedisCluster, AsyncRedisCluster)):
+            pipe = self.redis.pipeline()
+        else:
+            pipe = self.redis.pipeline(transaction=False)
+        for name, args, kwargs in batch:
+            getattr(pipe, name)(*args, **kwargs)
+        return pipe
+
+    def _put_op(
+        self, route_id: str, record: RouteRecord, ttl_s: int | None, canonical_order: bool
+    ) -> Op:
+        plan = plan_put(
+            self.keys, route_id, record, self.block_size, canonical_order=canonical_order
+        )
+        return _put(plan, ttl_s or self.ttl_s)
+
+    def _get_op(self, route_ids: Sequence[str], start: int, missing_ok: bool) -> Op:
+        return _get_many(self.keys, [validate_route_id(r) for r in route_ids], start, missing_ok)
+
+    def _manifest_key(self, route_id: str) -> str:
+        return self.keys.manifest(validate_route_id(route_id))
+
+
+class RouteStore(_Common):
+    """Route records in Redis (standalone or cluster), synchronous.
+
+    >>> store = RouteStore.from_url("redis://127.0.0.1:6390/0")
+    >>> store.put("req-1-0", record)
+    >>> store.get_many(["req-1-0", "req-2-0"])
+    """
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        prefix: str = "rr",
+        ttl_s: int = DEFAULT_TTL_S,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        cluster: bool | None = None,
+        **redis_kwargs: Any,
+    ) -> RouteStore:
+        """``redis://`` / ``rediss://``; ``redis+cluster://`` or ``cluster=True`` for a cluster."""
+        url, is_cluster = _split_url(url, cluster)
+        client = (
+            RedisCluster.from_url(url, **redis_kwargs)
+            if is_cluster
+            else redis.Redis.from_url(url, **redis_kwargs)
+        )
+        return cls(client, prefix=prefix, ttl_s=ttl_s, block_size=block_size, where=url)
+
+    def _run(self, op: Op) -> Any:
+        with _redis_errors(self._where):
+            try:
+                batch = next(op)
+                while True:
+                    batch = op.send(self._pipe(batch).execute() if batch else [])
+            except StopIteration as done:
+                return done.value
+
+    def ping(self) -> bool:
+        with _redis_errors(self._where):
+            return bool(self.redis.ping())
+
+    def close(self) -> None:
+        self.redis.close()
+
+    def __enter__(self) -> RouteStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def put(
+        self,
+        route_id: str,
+        record: RouteRecord,
+        *,
+        ttl_s: int | None = None,
+        canonical_order: bool = False,
+    ) -> PutResult:
+        """Store ``record`` under ``route_id``: chunks first (NX), the manifest last.
+
+        A reader sees either no manifest or a manifest whose chunks all exist. Chunks that
+        already exist (shared prefixes) are not sent again; their TTL is extended to at least
+        ``ttl_s`` so they outlive the new manifest. ``canonical_order=True`` stores each row's
+        experts sorted (replay ignores their order) for a smaller encoding.
+        """
+        return self._run(self._put_op(route_id, record, ttl_s, canonical_order))
+
+    def get(self, route_id: str, *, start: int = 0) -> RouteRecord:
+        """The record stored under ``route_id``, rows ``start..T`` (RouteNotFoundError if none)."""
+        return self._run(self._get_op([route_id], start, False))[0]
+
+    def get_many(
+        self, route_ids: Sequence[str], *, start: int = 0, missing_ok: bool = False
+    ) -> list[RouteRecord | None]:
+        """Records for ``route_ids`` in order; each distinct chunk is fetched and decoded once.
+
+        Unknown ids raise :class:`RouteNotFoundError`, or give None with ``missing_ok=True``.
+        """
+        return self._run(self._get_op(route_ids, start, missing_ok))
+
+    def exists(self, route_id: str) -> bool:
+        with _redis_errors(self._where):
+            return bool(self.redis.exists(self._manifest_key(route_id)))
+
+    def delete(self, route_id: str) -> bool:
+        """Delete the manifest; shared chunks stay until their TTL (other records may use them)."""
+        with _redis_errors(self._where):
+            return bool(self.redis.delete(self._manifest_key(route_id)))
+
+    def fill_from_prefix_index(self, record: RouteRecord) -> tuple[RouteRecord, int]:
+        """Fill invalid rows of complete blocks from chunks that other records stored for the
+        same token prefix and model shape. Returns the record (a new one if rows were filled) and
+        the number of rows filled."""
+        return self._run(_fill(self.keys, record, self.block_size))
+
+
+class AsyncRouteStore(_Common):
+    """Route records in Redis (standalone or cluster), asyncio. Mirrors :class:`RouteStore`.
+
+    Large records are encoded and decoded in a worker thread so a long completion does not stall
+    the event loop that serves other requests.
+    """
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        prefix: str = "rr",
+        ttl_s: int = DEFAULT_TTL_S,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        cluster: bool | None = None,
+        **redis_kwargs: Any,
+    ) -> AsyncRouteStore:
+        """See :meth:`RouteStore.from_url`."""
+        url, is_cluster = _split_url(url, cluster)
+        client = (
+            AsyncRedisCluster.from_url(url, **redis_kwargs)
+            if is_cluster
+            else aioredis.Redis.from_url(url, **redis_kwargs)
+        )
+        return cls(client, prefix=prefix, ttl_s=ttl_s, block_size=block_size, where=url)
+
+    async def _run(self, op: Op, big: bool = False) -> Any:
+        # The operation's CPU work (encoding, decoding) runs between yields, i.e. inside send():
+        # for big records that step goes to a worker thread. StopIteration cannot cross a
+        # coroutine or a thread, so advance() turns it into a plain return value.
+        def advance(value: Any) -> tuple[bool, Any]:
+            try:
+                return False, op.send(value)
+            except StopIteration as done:
+                return True, done.value
+
+        with _redis_errors(self._where):
+            value: Any = None
+            while True:
+                done, out = await asyncio.to_thread(advance, value) if big else advance(value)
+                if done:
+                    return out
+                value = await self._pipe(out).execute() if out else []
+
+    async def ping(self) -> bool:
+        with _redis_errors(self._where):
+            return bool(await self.redis.ping())
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def __aenter__(self) -> AsyncRouteStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def put(
+        self,
+        route_id: str,
+        record: RouteRecord,
+        *,
+        ttl_s: int | None = None,
+        canonical_order: bool = False,
+    ) -> PutResult:
+        """See :meth:`RouteStore.put`."""
+        big = record.experts.nbytes > _OFFLOAD_BYTES
+        if big:
+            op = await asyncio.to_thread(self._put_op, route_id, record, ttl_s, canonical_order)
+        else:
+            op = self._put_op(route_id, record, ttl_s, canonical_order)
+        return await self._run(op, big)
+
+    async def get(self, route_id: str, *, start: int = 0) -> RouteRecord:
+        """See :meth:`RouteStore.get`."""
+        return (await self._run(self._get_op([route_id], start, False), True))[0]
+
+    async def get_many(
+        self, route_ids: Sequence[str], *, start: int = 0, missing_ok: bool = False
+    ) -> list[RouteRecord | None]:
+        """See :meth:`RouteStore.get_many`."""
+        return await self._run(self._get_op(route_ids, start, missing_ok), True)
+
+    async def exists(self, route_id: str) -> bool:
+        with _redis_errors(self._where):
+            return bool(await self.redis.exists(self._manifest_key(route_id)))
+
+    async def delete(self, route_id: str) -> bool:
+        with _redis_errors(self._where):
+            return bool(await self.redis.delete(self._manifest_key(route_id)))
+
+    async def fill_from_prefix_index(self, record: RouteRecord) -> tuple[RouteRecord, int]:
+        """See :meth:`RouteStore.fill_from_prefix_index`."""
+        return await self._run(_fill(self.keys, record, self.block_size))

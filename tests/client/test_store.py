@@ -1,0 +1,295 @@
+"""RouteStore / AsyncRouteStore against real redis-server processes (standalone and cluster)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import numpy as np
+import pytest
+import redis
+
+from routereplay.client import (
+    AsyncRouteStore,
+    RouteConnectionError,
+    RouteCorruptError,
+    RouteNotFoundError,
+    RouteRecord,
+    RouteShapeError,
+    RouteStore,
+)
+
+E, K, L = 16, 2, 4
+MOE = (1, 2, 3)  # layer 0 dense
+
+
+def make_record(tokens: np.ndarray, seed: int, *, prompt_len: int = 0) -> RouteRecord:
+    """Routes that are a pure function of the token prefix, like a real causal model."""
+    T = tokens.shape[0]
+    experts = np.empty((T, len(MOE), K), np.uint8)
+    h = 0
+    for t in range(T):
+        h = (h * 1_000_003 + int(tokens[t]) + seed) % (2**31)
+        rng = np.random.default_rng(h)
+        experts[t] = np.argsort(rng.random((len(MOE), E)), axis=1)[:, :K]
+    valid = np.ones(T, bool)
+    if T:
+        valid[-1] = False
+        experts[-1] = 0
+    return RouteRecord(
+        token_ids=tokens,
+        experts=experts,
+        valid=valid,
+        moe_layers=MOE,
+        num_layers=L,
+        num_experts=E,
+        prompt_len=prompt_len,
+        model="tiny",
+    )
+
+
+def rid() -> str:
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="module")
+def store(redis_url: str) -> RouteStore:
+    s = RouteStore.from_url(redis_url, prefix=f"rr{uuid.uuid4().hex[:6]}", block_size=16)
+    yield s
+    s.close()
+
+
+def test_put_get_round_trip(store: RouteStore) -> None:
+    rng = np.random.default_rng(0)
+    for T in (0, 1, 15, 16, 17, 100):
+        rec = make_record(rng.integers(0, 1000, T), 1, prompt_len=T // 2)
+        r = rid()
+        res = store.put(r, rec)
+        assert res.num_tokens == T and res.chunks_total == -(-T // 16)
+        assert store.exists(r)
+        assert store.get(r) == rec
+
+
+def test_start_offset_returns_tail_rows(store: RouteStore) -> None:
+    rec = make_record(np.arange(100), 2, prompt_len=40)
+    r = rid()
+    store.put(r, rec)
+    for start in (0, 1, 16, 39, 40, 57, 99, 100):
+        got = store.get(r, start=start)
+        want = rec.rows(start)
+        assert got.same_routes(want), start
+        assert got.prompt_len == max(40 - start, 0)
+    with pytest.raises(RouteShapeError, match="start=101"):
+        store.get(r, start=101)
+
+
+def test_grpo_group_shares_prompt_chunks(store: RouteStore, redis_url: str) -> None:
+    prompt = np.arange(64)
+    group = [
+        make_record(np.concatenate([prompt, 1000 + np.arange(32) * (i + 1)]), 3, prompt_len=64)
+        for i in range(8)
+    ]
+    results = [store.put(rid(), r) for r in group]
+    # 64-token prompt = 4 full blocks, written by the first sample only.
+    assert results[0].chunks_written == results[0].chunks_total
+    assert all(r.chunks_reused == 4 for r in results[1:])
+    assert sum(r.bytes_written for r in results[1:]) < 0.7 * results[0].bytes_written * 7
+
+
+def test_get_many_fetches_each_shared_chunk_once(store: RouteStore, redis_url: str) -> None:
+    prompt = np.arange(48)
+    recs = [make_record(np.concatenate([prompt, [500 + i] * 10]), 4) for i in range(5)]
+    ids = [rid() for _ in recs]
+    for i, r in zip(ids, recs, strict=True):
+        store.put(i, r)
+    mon = redis.Redis.from_url(redis_url)
+    before = mon.info("commandstats").get("cmdstat_get", {}).get("calls", 0)
+    got = store.get_many(ids)
+    after = mon.info("commandstats").get("cmdstat_get", {}).get("calls", 0)
+    assert [g == r for g, r in zip(got, recs, strict=True)] == [True] * 5
+    # 5 manifests + 3 shared prompt chunks + 5 distinct tail chunks
+    assert after - before == 5 + 3 + 5
+
+
+def test_missing_ids(store: RouteStore) -> None:
+    r = rid()
+    store.put(r, make_record(np.arange(5), 0))
+    with pytest.raises(RouteNotFoundError, match="nope"):
+        store.get_many([r, "nope"])
+    got = store.get_many([r, "nope"], missing_ok=True)
+    assert got[1] is None and got[0] is not None
+    assert store.delete(r) and not store.delete(r)
+    with pytest.raises(RouteNotFoundError):
+        store.get(r)
+    with pytest.raises(RouteShapeError, match="invalid route id"):
+        store.get("has space")
+
+
+def test_missing_chunk_is_reported_not_half_read(store: RouteStore, redis_url: str) -> None:
+    r = rid()
+    store.put(r, make_record(np.arange(40) + 7000, 9))
+    raw = redis.Redis.from_url(redis_url)
+    chunk = next(iter(raw.scan_iter(f"{store.keys.prefix}:c:*")))
+    # find a chunk of this record: delete all chunks of a fresh prefix to be sure
+    keys = [k for k in raw.scan_iter(f"{store.keys.prefix}:c:*")]
+    assert chunk in keys
+    for k in keys:
+        raw.delete(k)
+    with pytest.raises(RouteCorruptError, match="missing"):
+        store.get(r)
+
+
+def test_ttl_on_every_key(redis_url: str) -> None:
+    s = RouteStore.from_url(
+        redis_url, prefix=f"ttl{uuid.uuid4().hex[:6]}", ttl_s=1000, block_size=8
+    )
+    s.put("a", make_record(np.arange(40), 0))
+    raw = redis.Redis.from_url(redis_url)
+    keys = list(raw.scan_iter(f"{s.keys.prefix}:*"))
+    assert len(keys) > 3
+    assert all(0 < raw.ttl(k) <= 1000 for k in keys)
+    # a later put with a longer TTL extends shared chunks so they outlive its manifest
+    s.put("b", make_record(np.arange(40), 0), ttl_s=5000)
+    assert all(raw.ttl(k) > 1000 for k in raw.scan_iter(f"{s.keys.prefix}:c:*"))
+    # ...and a shorter one never shortens them
+    s.put("c", make_record(np.arange(40), 0), ttl_s=10)
+    assert all(raw.ttl(k) > 1000 for k in raw.scan_iter(f"{s.keys.prefix}:c:*"))
+
+
+def test_prefix_index_fills_rows_an_engine_did_not_return(store: RouteStore) -> None:
+    tokens = np.arange(40) + 300
+    store.put(rid(), make_record(tokens, 5))  # an earlier, shorter request
+    # Same prefix, longer; the engine returned only rows from 40 on (prefix-cache hit).
+    longer = make_record(np.concatenate([tokens, np.arange(33)]), 5)
+    partial = RouteRecord(
+        token_ids=longer.token_ids,
+        experts=longer.experts.copy(),
+        valid=longer.valid.copy(),
+        moe_layers=MOE,
+        num_layers=L,
+        num_experts=E,
+        model="tiny",
+    )
+    partial.experts[:40] = 0
+    partial.valid[:40] = False
+    filled, n = store.fill_from_prefix_index(partial)
+    assert n == 32  # blocks 0 and 1 (rows 0..31) are complete in the index; 32..39 are not
+    assert np.array_equal(filled.experts[:32], longer.experts[:32])
+    assert filled.valid[:32].all() and not filled.valid[32:40].any()
+    # a different model shape never matches
+    other = RouteRecord(
+        token_ids=partial.token_ids,
+        experts=partial.experts,
+        valid=partial.valid,
+        moe_layers=MOE,
+        num_layers=L,
+        num_experts=E,
+        model="other",
+    )
+    assert store.fill_from_prefix_index(other)[1] == 0
+
+
+def test_concurrent_writers_of_one_prefix(store: RouteStore) -> None:
+    prompt = np.arange(64) + 12345
+    recs = [make_record(np.concatenate([prompt, [i] * 20]), 6) for i in range(8)]
+    ids = [rid() for _ in recs]
+    errors: list[BaseException] = []
+
+    def put(i: int) -> None:
+        try:
+            store.put(ids[i], recs[i])
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=put, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert all(g == r for g, r in zip(store.get_many(ids), recs, strict=True))
+
+
+def test_connection_error_is_typed() -> None:
+    s = RouteStore.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5)
+    with pytest.raises(RouteConnectionError, match=r"127\.0\.0\.1:1"):
+        s.get("x")
+
+
+async def test_async_store_mirrors_sync(redis_url: str) -> None:
+    prefix = f"as{uuid.uuid4().hex[:6]}"
+    sync = RouteStore.from_url(redis_url, prefix=prefix, block_size=16)
+    async with AsyncRouteStore.from_url(redis_url, prefix=prefix, block_size=16) as store:
+        big = make_record(np.arange(3000) % 997, 7)
+        recs = [make_record(np.arange(50) + i, 8) for i in range(3)] + [big]
+        ids = [rid() for _ in recs]
+        for i, r in zip(ids, recs, strict=True):
+            await store.put(i, r)
+        got = await store.get_many(ids)
+        assert all(g == r for g, r in zip(got, recs, strict=True))
+        assert sync.get(ids[0]) == recs[0]  # what async wrote, sync reads
+        assert (await store.get(ids[1], start=20)).same_routes(recs[1].rows(20))
+        assert await store.exists(ids[0])
+        assert await store.delete(ids[0])
+        with pytest.raises(RouteNotFoundError):
+            await store.get(ids[0])
+        partial = make_record(np.arange(50) + 1, 8)
+        partial.valid[:20] = False
+        filled, n = await store.fill_from_prefix_index(partial)
+        assert n == 20 and filled.valid[:20].all()
+        assert filled.same_routes(make_record(np.arange(50) + 1, 8))
+    sync.close()
+
+
+def test_large_record_through_async_worker_thread(redis_url: str) -> None:
+    import asyncio
+
+    rng = np.random.default_rng(0)
+    T, M = 4096, 48
+    x = np.argsort(rng.random((T * M, 128)), axis=1)[:, :8].reshape(T, M, 8).astype(np.uint8)
+    rec = RouteRecord(
+        token_ids=rng.integers(0, 150000, T),
+        experts=x,
+        valid=np.ones(T, bool),
+        moe_layers=range(M),
+        num_layers=M,
+        num_experts=128,
+    )
+
+    async def go() -> RouteRecord:
+        async with AsyncRouteStore.from_url(redis_url, prefix="big") as s:
+            await s.put("big-1", rec)
+            return await s.get("big-1")
+
+    assert asyncio.run(go()) == rec
+
+
+@pytest.mark.cluster
+def test_cluster_sync_and_async(redis_cluster_url: str) -> None:
+    import asyncio
+
+    url = redis_cluster_url.replace("redis://", "redis+cluster://")
+    store = RouteStore.from_url(url, block_size=16)
+    prompt = np.arange(64)
+    recs = [make_record(np.concatenate([prompt, [i] * 30]), 11) for i in range(6)]
+    ids = [rid() for _ in recs]
+    results = [store.put(i, r) for i, r in zip(ids, recs, strict=True)]
+    assert all(r.chunks_reused == 4 for r in results[1:])
+    assert all(g == r for g, r in zip(store.get_many(ids), recs, strict=True))
+    assert store.get(ids[2], start=33).same_routes(recs[2].rows(33))
+    # keys are spread over the 3 masters, and a manifest lives on its id's slot
+    nodes = store.redis.get_primaries()
+    assert len(nodes) == 3
+    counts = [store.redis.dbsize(target_nodes=n) for n in nodes]
+    assert sum(1 for c in counts if c > 0) >= 2
+    assert store.delete(ids[0])
+
+    async def go() -> None:
+        async with AsyncRouteStore.from_url(url, block_size=16) as s:
+            got = await s.get_many(ids[1:])
+            assert all(g == r for g, r in zip(got, recs[1:], strict=True))
+            await s.put("async-c", recs[0])
+            assert await s.get("async-c") == recs[0]
+
+    asyncio.run(go())
+    store.close()
