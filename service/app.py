@@ -1,0 +1,361 @@
+"""The app factory: ``create_app(settings)`` composes backend, store, capture and handlers.
+
+Nothing happens at import or in ``create_app`` itself; the engine starts and Redis is connected in
+the app's lifespan (a backend or store passed in is used as is and left open).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgpack
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from routereplay.client import (
+    MEDIA_TYPE,
+    AsyncRouteStore,
+    RouteNotFoundError,
+    RouteShapeError,
+    encode_record,
+    validate_route_id,
+)
+
+from .capture import RouteCapture
+from .engine import EngineBackend, GenerationRequest
+from .errors import InvalidRequestError, NotFoundError, ServiceError
+from .metrics import ServiceMetrics
+from .protocol import BatchRoutesRequest, ChatCompletionRequest, CompletionRequest
+from .serving import CompletionServer
+from .settings import Settings
+
+__all__ = ["create_app", "make_backend"]
+
+log = logging.getLogger("routereplay.service")
+
+# Route ids are f"{request_id}-{choice}" and at most 128 characters: leave room for the suffix.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,120}")
+
+
+def make_backend(settings: Settings) -> EngineBackend:
+    """The backend ``settings`` select (not started)."""
+    if settings.backend == "upstream":
+        from .upstream import UpstreamBackend
+
+        if not settings.upstream_url:
+            raise ValueError("backend=upstream needs upstream_url (ROUTEREPLAY_UPSTREAM_URL)")
+        return UpstreamBackend(
+            settings.upstream_url,
+            served_model_name=settings.served_model_name,
+            model_config_path=settings.model,
+            timeout_s=settings.upstream_timeout_s,
+        )
+    from .vllm_engine import VllmBackend
+
+    model = settings.model
+    dtype = settings.dtype
+    if model is None:
+        from .tiny_model import ensure_tiny_model
+
+        model = str(ensure_tiny_model(settings.tiny_variant, settings.model_dir))
+        # float32 keeps the tiny model's routes exact against any other float32 engine.
+        dtype = "float32" if dtype == "auto" else dtype
+    return VllmBackend(
+        model,
+        served_model_name=settings.resolved_model_name(),
+        dtype=dtype,
+        max_model_len=settings.max_model_len,
+        seed=settings.seed,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        enforce_eager=settings.enforce_eager,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        extra_engine_args=settings.engine_args,
+    )
+
+
+class _State:
+    """Everything a handler needs, built in the lifespan."""
+
+    backend: EngineBackend
+    store: AsyncRouteStore
+    server: CompletionServer
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    backend: EngineBackend | None = None,
+    store: AsyncRouteStore | None = None,
+) -> FastAPI:
+    """Build the ASGI app; a ``backend``/``store`` passed in is used as is and not closed."""
+    settings = settings or Settings()
+    metrics = ServiceMetrics()
+    st = _State()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with contextlib.AsyncExitStack() as stack:
+            if store is None:
+                url = settings.redis_url
+                if url is None:
+                    from .local_redis import LocalRedis
+
+                    local = LocalRedis()
+                    url = local.start()
+                    stack.callback(local.stop)
+                    log.info("no Redis configured; started a local redis-server at %s", url)
+                st.store = AsyncRouteStore.from_url(
+                    url, prefix=settings.route_prefix, ttl_s=settings.route_ttl_s,
+                    block_size=settings.block_size,
+                )  # fmt: skip
+                stack.push_async_callback(st.store.close)
+            else:
+                st.store = store
+            if backend is None:
+                st.backend = make_backend(settings)
+                await st.backend.start()
+                stack.push_async_callback(st.backend.close)
+            else:
+                st.backend = backend
+            metrics.bind_queue_depth(st.backend.num_unfinished)
+            capture = RouteCapture(
+                st.store, st.backend.info, metrics, ttl_s=settings.route_ttl_s,
+                timeout_s=settings.store_timeout_s, offload_bytes=settings.offload_bytes,
+            )  # fmt: skip
+            st.server = CompletionServer(st.backend, capture, metrics)
+            yield
+
+    app = FastAPI(title="routereplay", lifespan=lifespan)
+    app.state.rr = st
+    app.state.metrics = metrics
+    app.state.settings = settings
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        err = ServiceError(f"internal error: {type(exc).__name__}: {exc}")
+        return JSONResponse(err.body(), status_code=500)
+
+    # -- completions ------------------------------------------------------------------------------
+    async def _parse(request: Request, model_cls: type) -> tuple[Any, dict[str, Any]]:
+        body = await request.body()
+        try:
+            raw = json.loads(body)
+        except ValueError as e:
+            raise InvalidRequestError(f"request body is not valid JSON: {e}", param="body") from e
+        if not isinstance(raw, dict):
+            raise InvalidRequestError("request body must be a JSON object", param="body")
+        try:
+            parsed = model_cls.model_validate(raw)
+        except ValidationError as e:
+            err = e.errors()[0]
+            param = ".".join(str(p) for p in err["loc"]) or None
+            raise InvalidRequestError(f"{param}: {err['msg']}", param=param) from e
+        if parsed.model != st.backend.info.name:
+            raise NotFoundError(
+                f"model {parsed.model!r} does not exist; this server serves "
+                f"{st.backend.info.name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        rt = parsed.requested_max_tokens
+        if rt is not None and rt > st.backend.info.max_model_len:
+            field = (
+                "max_tokens"
+                if getattr(parsed, "max_tokens", None) == rt
+                else ("max_completion_tokens")
+            )
+            raise InvalidRequestError(
+                f"{field}={rt} exceeds the model's context of "
+                f"{st.backend.info.max_model_len} tokens",
+                param=field,
+            )
+        return parsed, raw
+
+    def _request_id(request: Request, prefix: str) -> str:
+        rid = request.headers.get("x-request-id")
+        if rid is None:
+            return f"{prefix}-{uuid.uuid4().hex}"
+        if not _REQUEST_ID.fullmatch(rid):
+            raise InvalidRequestError(
+                f"X-Request-Id {rid[:64]!r} is invalid: use 1-120 characters of [A-Za-z0-9._:-]",
+                param="X-Request-Id",
+                code="invalid_request_id",
+            )
+        return rid
+
+    async def _serve(request: Request, kind: str, model_cls: type, endpoint: str) -> Response:
+        t0 = time.perf_counter()
+        status = 500
+        metrics.inflight.inc()
+        try:
+            rid = _request_id(request, "chatcmpl" if kind == "chat" else "cmpl")
+            parsed, raw = await _parse(request, model_cls)
+            greq = GenerationRequest(
+                kind=kind, request=parsed, request_id=rid,
+                # Unique per call: vLLM aborts by id, and a client may reuse its X-Request-Id.
+                engine_request_id=f"{rid}.{uuid.uuid4().hex[:8]}", raw=raw,
+            )  # fmt: skip
+            headers = {"X-Request-Id": rid}
+            if parsed.stream:
+                prompt_ids, events = await st.server.open(greq)
+                status = 200
+                return StreamingResponse(
+                    st.server.stream(greq, prompt_ids, events),
+                    media_type="text/event-stream",
+                    headers=headers,
+                )
+            body = await st.server.complete(greq)
+            status = 200
+            return JSONResponse(body, headers=headers)
+        except ServiceError as e:
+            status = e.status_code
+            raise
+        finally:
+            metrics.inflight.dec()
+            metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+            metrics.latency.labels(endpoint=endpoint).observe(time.perf_counter() - t0)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _serve(request, "chat", ChatCompletionRequest, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _serve(request, "completion", CompletionRequest, "completions")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        info = st.backend.info
+        return {
+            "object": "list",
+            "data": [{
+                "id": info.name, "object": "model", "created": 0, "owned_by": "routereplay",
+                "max_model_len": info.max_model_len,
+                "routed_experts": {"num_layers": info.num_layers,
+                                   "moe_layers": list(info.moe_layers),
+                                   "num_experts": info.num_experts, "top_k": info.top_k},
+            }],
+        }  # fmt: skip
+
+    # -- probes -----------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        # Liveness: a dead engine never comes back, so the process should be restarted.
+        if st.backend.dead:
+            return JSONResponse({"status": "engine_dead"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        problems: dict[str, str] = {}
+        try:
+            await st.backend.check_ready()
+        except ServiceError as e:
+            problems["engine"] = e.message
+        try:
+            await st.store.ping()
+        except Exception as e:
+            problems["redis"] = f"{type(e).__name__}: {e}"
+        if problems:
+            return JSONResponse({"status": "not_ready", **problems}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def prom() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # -- retrieval --------------------------------------------------------------------------------
+    def _route_id(route_id: str) -> str:
+        try:
+            return validate_route_id(route_id)
+        except RouteShapeError as e:
+            raise InvalidRequestError(str(e), param="route_id", code="invalid_route_id") from e
+
+    def _start(request: Request) -> int:
+        raw = request.query_params.get("start", "0")
+        try:
+            start = int(raw)
+        except ValueError:
+            start = -1
+        if start < 0:
+            raise InvalidRequestError(f"start={raw!r} must be an integer >= 0", param="start")
+        return start
+
+    async def _get(route_id: str, start: int) -> Any:
+        try:
+            return await st.store.get(route_id, start=start)
+        except RouteNotFoundError as e:
+            raise NotFoundError(str(e), param="route_id", code="route_not_found") from e
+        except RouteShapeError as e:
+            raise InvalidRequestError(str(e), param="start") from e
+
+    @app.post("/v1/routes:batch")
+    async def routes_batch(request: Request) -> Response:
+        parsed, _ = await _parse_plain(request, BatchRoutesRequest)
+        if len(parsed.ids) > settings.max_batch_ids:
+            raise InvalidRequestError(
+                f"ids: {len(parsed.ids)} ids, at most {settings.max_batch_ids} per batch",
+                param="ids",
+            )
+        ids = [_route_id(i) for i in parsed.ids]
+        try:
+            recs = await st.store.get_many(ids, start=parsed.start, missing_ok=True)
+        except RouteShapeError as e:
+            raise InvalidRequestError(str(e), param="start") from e
+        records = {i: encode_record(r) for i, r in zip(ids, recs, strict=True) if r is not None}
+        missing = [i for i, r in zip(ids, recs, strict=True) if r is None]
+        body = msgpack.packb({"records": records, "missing": missing}, use_bin_type=True)
+        return Response(body, media_type="application/msgpack")
+
+    @app.get("/v1/routes/{route_id}")
+    async def get_route(route_id: str, request: Request) -> Response:
+        route_id = _route_id(route_id)
+        rec = await _get(route_id, _start(request))
+        as_json = request.query_params.get("format") == "json" or (
+            "application/json" in request.headers.get("accept", "")
+        )
+        if not as_json:
+            return Response(encode_record(rec), media_type=MEDIA_TYPE)
+        return JSONResponse({
+            "route_id": route_id, "model": rec.model, "token_ids": rec.token_ids.tolist(),
+            "experts": rec.experts.tolist(), "valid": rec.valid.tolist(),
+            "moe_layers": list(rec.moe_layers), "num_layers": rec.num_layers,
+            "num_experts": rec.num_experts, "prompt_len": rec.prompt_len,
+            "num_cached_tokens": rec.num_cached_tokens, "metadata": rec.metadata,
+        })  # fmt: skip
+
+    @app.delete("/v1/routes/{route_id}")
+    async def delete_route(route_id: str) -> dict[str, Any]:
+        route_id = _route_id(route_id)
+        if not await st.store.delete(route_id):
+            raise NotFoundError(
+                f"route {route_id!r} not found", param="route_id", code="route_not_found"
+            )
+        return {"id": route_id, "deleted": True}
+
+    async def _parse_plain(request: Request, model_cls: type) -> tuple[Any, dict[str, Any]]:
+        try:
+            raw = json.loads(await request.body())
+            return model_cls.model_validate(raw), raw
+        except ValueError as e:
+            if isinstance(e, ValidationError):
+                err = e.errors()[0]
+                param = ".".join(str(p) for p in err["loc"]) or None
+                raise InvalidRequestError(f"{param}: {err['msg']}", param=param) from e
+            raise InvalidRequestError(f"request body is not valid JSON: {e}", param="body") from e
+
+    return app

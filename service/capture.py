@@ -1,0 +1,116 @@
+"""Capture: a finished choice's engine routes -> a route record in Redis -> the response handle.
+
+A route is stored whole or reported ``failed`` (the store publishes the manifest last, so a
+reader never sees half a route); a failure never fails the completion itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import logging
+
+import numpy as np
+
+from routereplay.client import AsyncRouteStore, RouteRecord
+
+from .engine import ChoiceFinished
+from .metrics import ServiceMetrics
+from .model_info import ModelInfo
+from .protocol import RouteHandle
+
+__all__ = ["RouteCapture", "npy_base64"]
+
+log = logging.getLogger("routereplay.service")
+
+
+def npy_base64(arr: np.ndarray) -> str:
+    """vLLM's inline format: base64 of the ``.npy`` bytes of ``arr``."""
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return base64.b64encode(buf.getbuffer()).decode("ascii")
+
+
+class RouteCapture:
+    """Builds, fills and stores route records for one served model."""
+
+    def __init__(
+        self,
+        store: AsyncRouteStore,
+        info: ModelInfo,
+        metrics: ServiceMetrics,
+        *,
+        ttl_s: int | None = None,
+        timeout_s: float = 30.0,
+        offload_bytes: int = 1 << 18,
+    ) -> None:
+        self.store = store
+        self.info = info
+        self.metrics = metrics
+        self.ttl_s = ttl_s
+        self.timeout_s = timeout_s
+        self.offload_bytes = offload_bytes
+
+    def build(
+        self, fin: ChoiceFinished, prompt_token_ids: list[int], request_id: str
+    ) -> RouteRecord:
+        """The record of one choice: tokens ``[T]`` = prompt + completion, experts of MoE layers."""
+        info = self.info
+        return RouteRecord.from_engine(
+            fin.routed_experts,
+            np.asarray(prompt_token_ids + fin.output_token_ids, dtype=np.int64),
+            prompt_len=len(prompt_token_ids),
+            num_experts=info.num_experts,
+            moe_layers=info.moe_layers,
+            num_layers=info.num_layers,
+            num_cached_tokens=min(fin.num_cached_tokens, len(prompt_token_ids)),
+            row_start=fin.routes_row_start,
+            model=info.name,
+            metadata={"request_id": request_id, "choice": fin.index, "finish": fin.finish_reason},
+        )
+
+    async def capture(
+        self, route_id: str, fin: ChoiceFinished, prompt_token_ids: list[int], request_id: str
+    ) -> RouteHandle:
+        """Store choice ``fin``'s routes under ``route_id``; never raises (failures -> handle)."""
+        info = self.info
+        num_rows = len(prompt_token_ids) + len(fin.output_token_ids)
+        handle = RouteHandle(
+            route_id=route_id,
+            status="failed",
+            num_rows=num_rows,
+            num_valid_rows=0,
+            moe_layers=list(info.moe_layers),
+            top_k=info.top_k,
+            num_experts=info.num_experts,
+        )
+        if fin.routed_experts is None:
+            handle.error = fin.routes_error or "no routes from the engine"
+            self.metrics.store_errors.labels(reason="no_routes").inc()
+            return handle
+        try:
+            if fin.routed_experts.nbytes > self.offload_bytes:
+                record = await asyncio.to_thread(self.build, fin, prompt_token_ids, request_id)
+            else:
+                record = self.build(fin, prompt_token_ids, request_id)
+            # The last sampled token never has a route; anything else missing (an engine that
+            # returned rows from an offset, or skipped a cached prefix) is filled from the index.
+            if not record.valid[:-1].all():
+                record, filled = await asyncio.wait_for(
+                    self.store.fill_from_prefix_index(record), self.timeout_s
+                )
+                self.metrics.rows_filled.inc(filled)
+            result = await asyncio.wait_for(
+                self.store.put(route_id, record, ttl_s=self.ttl_s), self.timeout_s
+            )
+        except Exception as e:
+            log.warning("storing route %s failed: %r", route_id, e)
+            handle.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            self.metrics.store_errors.labels(reason=type(e).__name__).inc()
+            return handle
+        self.metrics.routes_stored.inc()
+        self.metrics.route_bytes.inc(result.bytes_written)
+        handle.status = "stored"
+        handle.num_valid_rows = int(record.valid.sum())
+        return handle

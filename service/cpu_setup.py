@@ -1,0 +1,88 @@
+"""Make this environment run vLLM with routed-expert capture on a CPU-only host (idempotent).
+
+    python -m routereplay.service.cpu_setup            # install / refresh
+    python -m routereplay.service.cpu_setup --check    # exit 1 if not installed
+    python -m routereplay.service.cpu_setup --remove
+
+It registers :mod:`routereplay.service._triton_cpu` as Triton's ``cpu`` backend through an
+entry point in a tiny ``*.dist-info`` in site-packages. Entry points (rather than a ``.pth`` hook)
+load lazily, only when Triton discovers its backends, in every process of the environment,
+including vLLM's spawned engine core. The backend is active only under ``TRITON_INTERPRET=1``,
+which the service sets for its own processes (see :func:`cpu_engine_env`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
+__all__ = ["DIST_NAME", "cpu_engine_env", "install", "is_installed", "remove"]
+
+DIST_NAME = "routereplay_triton_cpu"
+_VERSION = "0.1.0"
+
+
+def _dist_dir(site_packages: Path | None = None) -> Path:
+    sp = site_packages or Path(sysconfig.get_paths()["purelib"])
+    return sp / f"{DIST_NAME}-{_VERSION}.dist-info"
+
+
+def cpu_engine_env() -> dict[str, str]:
+    """Environment a vLLM process needs on a CPU host for routed experts (Model Runner V2)."""
+    return {
+        "VLLM_USE_V2_MODEL_RUNNER": "1",
+        "TRITON_INTERPRET": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }
+
+
+def install(site_packages: Path | None = None) -> Path:
+    """Write the entry-point dist-info; returns its directory. Safe to run repeatedly."""
+    d = _dist_dir(site_packages)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {DIST_NAME}\nVersion: {_VERSION}\n"
+        "Summary: interpreter-only Triton cpu backend for vllm-cpu (routereplay)\n"
+    )
+    (d / "entry_points.txt").write_text(
+        "[triton.backends]\ncpu = routereplay.service._triton_cpu\n"
+    )
+    (d / "RECORD").write_text("")
+    (d / "INSTALLER").write_text("routereplay\n")
+    return d
+
+
+def is_installed(site_packages: Path | None = None) -> bool:
+    return (_dist_dir(site_packages) / "entry_points.txt").is_file()
+
+
+def remove(site_packages: Path | None = None) -> bool:
+    d = _dist_dir(site_packages)
+    if d.exists():
+        shutil.rmtree(d)
+        return True
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m routereplay.service.cpu_setup")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--check", action="store_true")
+    g.add_argument("--remove", action="store_true")
+    args = p.parse_args(argv)
+    if args.check:
+        ok = is_installed()
+        print("installed" if ok else "not installed")
+        return 0 if ok else 1
+    if args.remove:
+        print("removed" if remove() else "nothing to remove")
+        return 0
+    print(f"triton cpu backend registered: {install()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

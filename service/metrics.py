@@ -1,0 +1,61 @@
+"""Prometheus metrics of one app instance (own registry: no process-global state)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["ServiceMetrics"]
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class ServiceMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "routereplay_requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "routereplay_request_latency_seconds",
+            "end-to-end request latency",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("routereplay_prompt_tokens", "prompt tokens", registry=r)
+        self.completion_tokens = Counter(
+            "routereplay_completion_tokens", "completion tokens", registry=r
+        )
+        self.routes_stored = Counter(
+            "routereplay_routes_stored", "route records stored", registry=r
+        )
+        self.route_bytes = Counter(
+            "routereplay_route_bytes_stored",
+            "bytes written to Redis for routes (new chunks + "
+            "manifests; shared prefixes are written once)",
+            registry=r,
+        )
+        self.store_errors = Counter(
+            "routereplay_route_store_errors",
+            "routes that could not be stored",
+            ["reason"],
+            registry=r,
+        )
+        self.rows_filled = Counter(
+            "routereplay_route_rows_filled", "rows filled from the token-prefix index", registry=r
+        )
+        self.inflight = Gauge(
+            "routereplay_requests_inflight", "completion requests being served", registry=r
+        )
+        self.queue_depth = Gauge(
+            "routereplay_engine_queue_depth", "requests inside the engine (running + waiting)",
+            registry=r,
+        )  # fmt: skip
+
+    def bind_queue_depth(self, fn: Callable[[], float]) -> None:
+        self.queue_depth.set_function(fn)

