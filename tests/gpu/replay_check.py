@@ -1,0 +1,594 @@
+"""End-to-end replay check on a real Megatron-Core GPTModel, CPU (gloo) or GPU (NCCL).
+
+Builds a small MoE GPTModel (4 layers, layer 1 dense: ``moe_layer_freq=[0, 1, 1, 1]``, 8 experts,
+top-2), makes route records the way vLLM returns them (``[T-1, L, K]``, dense layer all zero, last
+token unrouted), optionally stores them in Redis and fetches them back with ``RouteStore.get_many``
+(else a codec round trip), packs several samples (plain, shared-prefix GRPO group, multi-turn) as
+THD or as a right-padded batch, aligns and slices them with ``routereplay.trainer_adapter`` and
+replays them with :class:`RouterReplayer`, two micro-batches forward then both backward (so
+recompute pops the FIFO across micro-batches).
+
+Independent proof: the expected experts of every router row are computed from the records with a
+plain per-position lookup, and the row -> packed-position order comes from Megatron's own sharding
+(``get_batch_on_this_cp_rank`` for BSHD context parallel, ``scatter_to_sequence_parallel_region``
+for sequence parallel; THD context parallel uses the TE index order, reimplemented since TE is
+absent). Forward hooks on every router compare its routing_map with that truth, in the forward and
+in the recompute; hooks on the experts compare tokens per expert (summed over the expert group).
+
+Each rank prints ``RESULT {json}`` and exits 1 on any mismatch. Launch:
+    python tests/gpu/replay_check.py --device cpu                          # world size 1
+    python -m torch.distributed.run --nproc-per-node 2 tests/gpu/replay_check.py --tp 2 --sp
+CPU runs need test-only shims (see ``_cpu_shims``), as measured in
+shared/notes/megatron-router-replay.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import socket
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+NUM_LAYERS = 4
+MOE_FREQ = [0, 1, 1, 1]
+MOE_LAYERS = (1, 2, 3)  # global 0-based; Megatron layer_number 2, 3, 4
+E = 8
+K = 2
+V = 128
+H = 64
+
+
+# ---------------------------------------------------------------------------------------------
+# test-only shims and modules
+# ---------------------------------------------------------------------------------------------
+def _cpu_shims() -> None:
+    """Let megatron-core run a full MoE model on CPU (see the notes): Router.gating moves weights
+    to torch.cuda.current_device(); 0.16 names te_general_gemm without TE; recompute saves the
+    CUDA RNG state."""
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.zeros(1)
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
+
+
+class _GatherCP(torch.autograd.Function):
+    """All-gather along dim 0 over the CP group; backward sums and keeps this rank's slice
+    (gloo has no reduce_scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        ws = dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(ws)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        ctx.n = x.shape[0]
+        return torch.cat(parts, 0)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        r = dist.get_rank(ctx.group)
+        return g[r * ctx.n : (r + 1) * ctx.n], None
+
+
+class PackedCausalAttention(torch.nn.Module):
+    """Core attention for tests: causal within each packed sequence, keys gathered over the CP
+    group, masked by true (sequence id, position). Replaces DotProductAttention, which refuses THD
+    and context parallel without Transformer Engine. Routing does not depend on it being fast."""
+
+    SEQ: dict = {}  # "seq", "pos": [B, S_local] int tensors of this rank's query rows
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, *args, **kwargs):
+        super().__init__()
+        self.config = config
+        self.scale = config.kv_channels**-0.5
+
+    def forward(self, query, key, value, attention_mask, *args, **kwargs):
+        from megatron.core import parallel_state as ps
+
+        seq, pos = self.SEQ["seq"], self.SEQ["pos"]  # [B, Sq]
+        kseq, kpos = seq, pos
+        if ps.get_context_parallel_world_size() > 1:
+            g = ps.get_context_parallel_group()
+            key = _GatherCP.apply(key, g)
+            value = _GatherCP.apply(value, g)
+            kseq = _GatherCP.apply(seq.t().contiguous(), g).t()
+            kpos = _GatherCP.apply(pos.t().contiguous(), g).t()
+        if key.shape[2] != query.shape[2]:  # GQA
+            rep = query.shape[2] // key.shape[2]
+            key = key.repeat_interleave(rep, 2)
+            value = value.repeat_interleave(rep, 2)
+        scores = torch.einsum("sbnh,tbnh->bnst", query, key) * self.scale
+        mask = (seq[:, :, None] == kseq[:, None, :]) & (kpos[:, None, :] <= pos[:, :, None])
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        probs = torch.softmax(scores.float(), -1).to(query.dtype)
+        out = torch.einsum("bnst,tbnh->sbnh", probs, value)
+        return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+class SPNorm:
+    """LayerNorm/RMSNorm that tolerates sequence parallel (norms are per token); Megatron's
+    WrappedTorchNorm asserts it away when Transformer Engine is absent."""
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+        if config.normalization == "RMSNorm":
+            m = torch.nn.RMSNorm(hidden_size, eps=eps)
+        else:
+            m = torch.nn.LayerNorm(hidden_size, eps=eps)
+        for p in m.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return m
+
+
+def _patch_spec(obj, mapping: dict) -> None:
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(obj, ModuleSpec):
+        if isinstance(obj.module, type) and obj.module in mapping:
+            obj.module = mapping[obj.module]
+        _patch_spec(obj.submodules, mapping)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if isinstance(v, type) and v in mapping:
+                setattr(obj, f.name, mapping[v])
+            else:
+                _patch_spec(v, mapping)
+    elif isinstance(obj, list | tuple):
+        for x in obj:
+            _patch_spec(x, mapping)
+
+
+# ---------------------------------------------------------------------------------------------
+# records and batches
+# ---------------------------------------------------------------------------------------------
+def make_records(seed: int):
+    """Records as vLLM returns them: [T-1, L, K] with the dense layer all zero."""
+    from routereplay.client._record import RouteRecord
+
+    rng = np.random.default_rng(seed)
+
+    def rec(tokens: np.ndarray, prompt_len: int, invalid_extra: int = 0) -> RouteRecord:
+        T = len(tokens)
+        R = T - 1
+        arr = np.zeros((R, NUM_LAYERS, K), np.int64)
+        for layer in MOE_LAYERS:
+            arr[:, layer] = np.argsort(rng.random((R, E)), axis=1)[:, :K]
+        r = RouteRecord.from_engine(
+            arr, tokens, prompt_len=prompt_len, num_experts=E, moe_layers=MOE_LAYERS,
+            num_layers=NUM_LAYERS, model="tiny-moe",
+        )
+        if invalid_extra:  # rows an engine could not return (e.g. a lost prefix-cache hit)
+            r.valid[1 : 1 + invalid_extra] = False
+        return r
+
+    def toks(n: int) -> np.ndarray:
+        return rng.integers(1, V, n)
+
+    recs = [rec(toks(int(rng.integers(9, 20))), 4), rec(toks(int(rng.integers(5, 12))), 3, 2)]
+    prompt = toks(6)  # GRPO group: one prompt, two completions
+    recs += [rec(np.concatenate([prompt, toks(5)]), 6), rec(np.concatenate([prompt, toks(8)]), 6)]
+    t1 = toks(10)  # multi-turn: turn 2 re-sends turn 1 and adds a tool reply + completion
+    recs += [rec(t1, 5), rec(np.concatenate([t1, toks(9)]), 15)]
+    return recs
+
+
+def sample_maps(recs):
+    from routereplay.trainer_adapter import (
+        multi_turn_sample,
+        sample_from_record,
+        shared_prefix_sample,
+    )
+
+    samples = [
+        sample_from_record(0, recs[0]),
+        sample_from_record(1, recs[1]),
+        shared_prefix_sample([2, 3], recs, sample=2),
+        multi_turn_sample([4, 5], recs, sample=3),
+    ]
+    # The trainer's own token ids for each sample (built from the rollouts, not from the maps).
+    tokens = [
+        recs[0].token_ids,
+        recs[1].token_ids,
+        np.concatenate([recs[2].token_ids, recs[3].token_ids[recs[3].prompt_len :]]),
+        recs[5].token_ids,
+    ]
+    return samples, tokens
+
+
+def truth_experts(pm, recs) -> np.ndarray:
+    """[M, B*S, K] expected experts in batch-major position order, by plain per-position lookup
+    (a second implementation, independent of gather_targets' run copies)."""
+    from routereplay.trainer_adapter import filler_experts
+
+    rec = pm.record.reshape(-1)
+    tok = pm.token.reshape(-1)
+    pos = pm.position.reshape(-1)
+    out = np.zeros((len(MOE_LAYERS), rec.size, K), np.int64)
+    for p in range(rec.size):
+        r = int(rec[p])
+        if r >= 0 and recs[r].valid[tok[p]]:
+            out[:, p] = recs[r].experts[tok[p]]  # all records carry MOE_LAYERS in order
+        else:
+            out[:, p] = filler_experts(np.array([pos[p]]), E, K)[0]
+    return out
+
+
+def build_batch(args, recs, mb: int):
+    """Global (unsliced) batch of micro-batch ``mb``: position map, tokens, positions, seq ids."""
+    from routereplay.trainer_adapter import padded_position_map, thd_position_map
+
+    samples, tokens = sample_maps(recs)
+    if mb % 2:  # second micro-batch: another order, so rows differ between micro-batches
+        samples, tokens = samples[::-1], tokens[::-1]
+    mult = 2 * args.cp * args.tp
+    if args.layout == "thd":
+        lens = np.array([len(t) for t in tokens])
+        plens = -(-lens // mult) * mult
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        cup = np.concatenate([[0], np.cumsum(plens)])
+        pm = thd_position_map(samples, cu, cu_seqlens_padded=cup, records=recs)
+        T = int(cup[-1])
+        ids = np.zeros((1, T), np.int64)
+        seq = np.full((1, T), -1, np.int64)
+        pos = np.zeros((1, T), np.int64)
+        for i, t in enumerate(tokens):
+            ids[0, cup[i] : cup[i] + len(t)] = t
+            seq[0, cup[i] : cup[i + 1]] = i
+            pos[0, cup[i] : cup[i + 1]] = np.arange(plens[i])
+        return pm, ids, seq, pos, cup
+    S = -(-max(len(t) for t in tokens) // mult) * mult
+    pm = padded_position_map(samples, S, padding_side="right", records=recs)
+    ids = np.zeros((len(tokens), S), np.int64)
+    for b, t in enumerate(tokens):
+        ids[b, : len(t)] = t
+    seq = np.zeros_like(ids)
+    pos = np.broadcast_to(np.arange(S), ids.shape).copy()
+    return pm, ids, seq, pos, None
+
+
+def megatron_rows(args, B: int, S: int, cup) -> np.ndarray:
+    """Packed positions (b * S + s) of this rank's router rows, in router row order, derived with
+    Megatron's own sharding functions."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from routereplay.trainer_adapter import thd_cp_index
+
+    gpos = torch.arange(B * S, dtype=torch.int64).reshape(B, S)
+    if args.cp > 1:
+        if cup is None:
+            gpos = get_batch_on_this_cp_rank({"tokens": gpos})["tokens"]
+        else:  # TE's thd_get_partitioned_indices order (TE absent here)
+            idx = thd_cp_index(cup, args.cp, ps.get_context_parallel_rank(), total=S)
+            gpos = gpos[:, torch.from_numpy(idx)]
+    sb = gpos.t().contiguous().float()  # [S_local, B] as the embedding emits it
+    if args.sp and args.tp > 1:
+        sb = tensor_parallel.scatter_to_sequence_parallel_region(sb)
+    return sb.reshape(-1).long().numpy()
+
+
+# ---------------------------------------------------------------------------------------------
+# model
+# ---------------------------------------------------------------------------------------------
+def build_model(args, device):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    rc = {}
+    if args.recompute == "full":
+        rc = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif args.recompute == "selective":
+        rc = dict(recompute_granularity="selective", recompute_modules=["moe"])
+    cfg = TransformerConfig(
+        num_layers=NUM_LAYERS, hidden_size=H, num_attention_heads=4, ffn_hidden_size=128,
+        moe_ffn_hidden_size=64, num_moe_experts=E, moe_router_topk=K, moe_layer_freq=MOE_FREQ,
+        moe_enable_routing_replay=True, moe_token_dispatcher_type=args.dispatcher,
+        moe_router_load_balancing_type="none", moe_grouped_gemm=False,
+        tensor_model_parallel_size=args.tp, sequence_parallel=args.sp,
+        context_parallel_size=args.cp, expert_model_parallel_size=args.ep,
+        use_cpu_initialization=device.type == "cpu", params_dtype=torch.float32,
+        pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+        add_bias_linear=False, **rc,
+    )
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
+    _patch_spec(spec, {DotProductAttention: PackedCausalAttention, WrappedTorchNorm: SPNorm})
+    model = GPTModel(
+        config=cfg, transformer_layer_spec=spec, vocab_size=V, max_sequence_length=256,
+        position_embedding_type="learned_absolute", share_embeddings_and_output_weights=False,
+    )
+    return model.to(device), cfg
+
+
+def fetch_records(args, recs):
+    """Round trip through Redis (RouteStore.get_many) or, without Redis, the codec."""
+    ids = [f"check-{args.seed}-{i}" for i in range(len(recs))]
+    if args.redis_url:
+        from routereplay.client import RouteStore
+
+        store = RouteStore.from_url(args.redis_url, prefix=f"rrcheck{args.seed}")
+        for i, r in zip(ids, recs, strict=True):
+            store.put(i, r)
+        dist.barrier()
+        got = store.get_many(ids)
+        store.close()
+        return got, "redis"
+    from routereplay.client._codec import decode_record, encode_record
+
+    return [decode_record(encode_record(r)) for r in recs], "codec"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--sp", action="store_true")
+    p.add_argument("--dispatcher", default="allgather", choices=["allgather", "alltoall"])
+    p.add_argument("--recompute", default="full", choices=["none", "full", "selective"])
+    p.add_argument("--layout", default="thd", choices=["thd", "padded"])
+    p.add_argument("--redis-url", default="")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--extras", action="store_true", help="also R2 mode, shape and stale checks")
+    args = p.parse_args(argv)
+    t_start = time.time()
+
+    if "RANK" not in os.environ:  # single process without a launcher
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group("nccl")
+    else:
+        _cpu_shims()
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+
+    import megatron.core
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from routereplay.trainer_adapter import (
+        R2Recorder,
+        RouterReplayer,
+        TargetShapeError,
+        gather_targets,
+    )
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=args.tp, context_parallel_size=args.cp,
+        expert_model_parallel_size=args.ep,
+    )
+    kw = {"inference_rng_tracker": True} if device.type == "cpu" else {}
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed, **kw)
+    torch.manual_seed(args.seed)
+
+    result: dict = {"rank": rank, "world": dist.get_world_size(), "megatron": megatron.core.__version__,
+                    "args": {k: v for k, v in vars(args).items() if k != "redis_url"}}
+    if args.extras:  # a stale model: its RouterReplay instances stay in the global list
+        RouterReplay.clear_global_router_replay_instances()
+        build_model(args, device)
+        result["stale_instances_before_build"] = len(RouterReplay.global_router_replay_instances)
+    model, cfg = build_model(args, device)
+    model.train()
+    replayer = RouterReplayer(model)
+    result["router_layer_numbers"] = [s.layer_number for s in replayer.slots]
+    result["global_instances"] = len(RouterReplay.global_router_replay_instances)
+    assert replayer.layers == MOE_LAYERS, replayer.layers
+
+    dp_rank = ps.get_data_parallel_rank()
+    recs = make_records(args.seed + 1000 * dp_rank)  # each data-parallel replica its own data
+    recs, source = fetch_records(args, recs)
+    result["records_from"] = source
+
+    # ---- per micro-batch: align, slice, truth --------------------------------------------------
+    cp_rank = ps.get_context_parallel_rank()
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    mbs = []
+    for mb in range(2):
+        pm, ids, seq, pos, cup = build_batch(args, recs, mb)
+        pm.check_tokens(recs, ids)
+        local = pm.local(cp_size=args.cp, cp_rank=cp_rank, tp_size=args.tp, tp_rank=tp_rank,
+                         sequence_parallel=args.sp, cu_seqlens_padded=cup)
+        targets = gather_targets(local, recs, replayer.layers)
+        B, S = pm.shape
+        rows = megatron_rows(args, B, S, cup)
+        truth = truth_experts(pm, recs)[:, rows]  # [M, N_local, K]
+        # the model's inputs, sharded for CP as Megatron shards them (rows of the [B, S] batch)
+        cp_idx = np.arange(S)
+        if args.cp > 1:
+            from routereplay.trainer_adapter import cp_zigzag_index, thd_cp_index
+
+            cp_idx = (thd_cp_index(cup, args.cp, cp_rank, total=S) if cup is not None
+                      else cp_zigzag_index(S, args.cp, cp_rank))
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a[:, cp_idx])).to(device)  # noqa: E731
+        mbs.append(dict(targets=targets, truth=truth, ids=t(ids), seq=t(seq), pos=t(pos),
+                        labels=t(np.roll(ids, -1, 1)), fillers=targets.filler_rows))
+        # installed targets must equal the truth: this is the alignment + slicing check
+        result.setdefault("targets_equal_truth", []).append(
+            bool(np.array_equal(targets.experts.astype(np.int64), truth)))
+
+    # ---- hooks -----------------------------------------------------------------------------
+    state = {"phase": "fwd", "mb": 0}
+    stats: dict = {}
+
+    def router_hook(slot):
+        def hook(mod, inputs, output):
+            routing_map = output[1]
+            exp = mbs[state["mb"]]["truth"][MOE_LAYERS.index(slot.layer)]
+            want = torch.zeros(exp.shape[0], E, dtype=torch.bool)
+            want.scatter_(1, torch.from_numpy(exp), True)
+            got = routing_map.detach().cpu()
+            st = stats.setdefault(slot.layer_number, {"fwd": 0, "rec": 0, "bad": 0})
+            st[state["phase"]] += got.shape[0]
+            if got.shape != want.shape:
+                st["bad"] += max(got.shape[0], want.shape[0])
+            else:
+                st["bad"] += int((got != want).any(1).sum())
+        return hook
+
+    expert_counts: dict = {}
+
+    def expert_hook(layer_number, e):
+        def hook(mod, inputs):
+            if state["phase"] == "fwd":
+                c = expert_counts.setdefault(layer_number, np.zeros(E, np.int64))
+                c[e] += inputs[0].shape[0]
+        return hook
+
+    handles = [s.router.register_forward_hook(router_hook(s)) for s in replayer.slots]
+    for mod in model.modules():
+        if hasattr(mod, "router") and hasattr(mod, "local_expert_indices"):
+            for j, e in enumerate(mod.local_expert_indices):
+                handles.append(mod.experts.local_experts[j].register_forward_pre_hook(
+                    expert_hook(mod.router.layer_number, e)))
+
+    def forward(mbd):
+        PackedCausalAttention.SEQ = {"seq": mbd["seq"], "pos": mbd["pos"]}
+        return model(mbd["ids"], mbd["pos"], torch.ones(1, 1, 1, 1, dtype=torch.bool,
+                     device=device), labels=mbd["labels"])
+
+    # ---- R3: F0 F1 B0 B1 (recompute pops targets FIFO across micro-batches) -------------------
+    with replayer.step():
+        losses = []
+        for i, mbd in enumerate(mbs):
+            state.update(phase="fwd", mb=i)
+            with replayer.micro_batch(mbd["targets"]):
+                losses.append(forward(mbd).sum())
+        for i, loss in enumerate(losses):
+            state.update(phase="rec", mb=i)
+            loss.backward()
+    grads = [s.router.weight.grad for s in replayer.slots]
+    result["router_grads_nonzero"] = all(g is not None and bool(g.abs().sum() > 0) for g in grads)
+    result["router_rows"] = stats
+    result["filler_rows"] = [m["fillers"] for m in mbs]
+
+    # tokens per expert, summed over the ranks that share experts, versus the truth
+    want_counts = np.zeros((len(MOE_LAYERS), E), np.int64)
+    for m in mbs:
+        for li in range(len(MOE_LAYERS)):
+            want_counts[li] += np.bincount(m["truth"][li].ravel(), minlength=E)
+    wc = torch.from_numpy(want_counts).to(device)
+    dist.all_reduce(wc, group=ps.get_expert_tensor_and_model_parallel_group())
+    want_counts = wc.cpu().numpy()
+    bad_experts = []
+    for li, layer in enumerate(MOE_LAYERS):
+        got = expert_counts.get(layer + 1, np.zeros(E, np.int64))
+        owned = {e for lm, idx in _owned(model) if lm == layer + 1 for e in idx}
+        for e in sorted(owned):
+            if got[e] != want_counts[li, e]:
+                bad_experts.append([layer + 1, int(e), int(got[e]), int(want_counts[li, e])])
+    result["expert_count_mismatches"] = bad_experts
+
+    ok = (all(result["targets_equal_truth"]) and result["router_grads_nonzero"] and not bad_experts
+          and all(st["bad"] == 0 and st["fwd"] > 0 for st in stats.values())
+          and (args.recompute == "none" or all(st["rec"] == st["fwd"] for st in stats.values())))
+
+    if args.extras:
+        ok &= _extras(args, model, replayer, mbs, forward, state, stats, result, TargetShapeError,
+                      R2Recorder)
+    for h in handles:
+        h.remove()
+    result["ok"] = bool(ok)
+    result["seconds"] = round(time.time() - t_start, 1)
+    print("RESULT " + json.dumps(result), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+def _owned(model):
+    for mod in model.modules():
+        if hasattr(mod, "router") and hasattr(mod, "local_expert_indices"):
+            yield mod.router.layer_number, list(mod.local_expert_indices)
+
+
+def _extras(args, model, replayer, mbs, forward, state, stats, result, TargetShapeError,
+            R2Recorder) -> bool:
+    """R2 mode, the target-shape check and the bypass refusal."""
+    from routereplay.trainer_adapter import ReplayConfigError, check_replay_config
+
+    ok = True
+    # R2: record during an old-logprob pass, replay the recorded routes in the update.
+    r2 = R2Recorder(replayer)
+    old = []
+    with torch.no_grad():
+        for i, mbd in enumerate(mbs):
+            with r2.record(i):
+                old.append(forward(mbd).detach())
+    stats.clear()
+    for i in range(len(mbs)):  # the truth for the replay hook is what was recorded
+        rec = r2.recorded(i).long().cpu().numpy()
+        mbs[i] = {**mbs[i], "truth": rec}
+    with replayer.step():
+        for i, mbd in enumerate(mbs):
+            state.update(phase="fwd", mb=i)
+            with r2.replay(i):
+                new = forward(mbd)
+            state.update(phase="rec", mb=i)
+            new.sum().backward()
+            ok &= bool(torch.equal(new.detach(), old[i]))
+    r2_ok = all(st["bad"] == 0 and st["fwd"] > 0 for st in stats.values())
+    result["r2"] = {"same_loss": ok, "routes_match": r2_ok}
+    ok &= r2_ok
+    r2.clear()
+
+    # A target one row short must raise, not silently drop a token.
+    t = mbs[0]["targets"]
+    short = type(t)(t.layers, t.experts[:, :-1], t.num_experts)
+    try:
+        with replayer.step(), replayer.micro_batch(short):
+            state.update(phase="fwd", mb=0)
+            forward(mbs[0])
+        result["short_target_raises"] = False
+        ok = False
+    except TargetShapeError as e:
+        result["short_target_raises"] = str(e)[:120]
+    # Bypassing configurations are refused.
+    refused = []
+    for field, val in [("moe_router_fusion", True), ("moe_router_load_balancing_type", "sinkhorn"),
+                       ("moe_expert_capacity_factor", 1.0)]:
+        cfg = _cfg_copy(model.config, field, val)
+        try:
+            check_replay_config(cfg)
+        except ReplayConfigError:
+            refused.append(field)
+    result["refused"] = refused
+    ok &= len(refused) == 3
+    return ok
+
+
+def _cfg_copy(cfg, field, val):
+    import copy
+
+    c = copy.copy(cfg)
+    object.__setattr__(c, field, val)
+    return c
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,380 @@
+"""The one module that touches Megatron-Core: installs replay targets into RouterReplay.
+
+Routers are found by walking the model (every VPP chunk), never through
+``RouterReplay.global_router_replay_instances``: that list grows across model builds and a stale
+entry silently disables replay. Each router is matched to its targets by its global 1-based
+``layer_number`` (pipeline offset included), never by position in a list.
+
+Per micro-batch: targets + REPLAY_FORWARD before the forward, REPLAY_BACKWARD right after, so
+activation recompute during backward pops this micro-batch's targets (RouterReplay keeps a FIFO
+per router; 1F1B runs backwards in forward order). Everything is cleared at each step boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+from ._targets import ReplayTargets
+from .errors import ReplayConfigError, RouteLayerMismatchError, TargetShapeError
+
+__all__ = ["R2Recorder", "RouterReplayer", "RouterSlot", "check_replay_config", "find_routers"]
+
+TargetsLike = ReplayTargets | torch.Tensor | Mapping[int, torch.Tensor]
+
+
+def check_replay_config(config: Any) -> None:
+    """Raise :class:`ReplayConfigError` if ``config`` (a ``TransformerConfig``) cannot replay.
+
+    Refused because replay is silently bypassed or undone: the fused router kernel (ignores
+    RouterReplay), sinkhorn routing (its own assignment), forced random load balancing, token
+    dropping (an expert capacity drops replayed assignments), and quantile-style balancing options
+    of newer releases.
+    """
+    problems = []
+    if not getattr(config, "moe_enable_routing_replay", False):
+        problems.append("moe_enable_routing_replay is False (routers have no RouterReplay)")
+    if getattr(config, "moe_router_fusion", False):
+        problems.append("moe_router_fusion=True (the fused top-k kernel bypasses replay)")
+    lb = getattr(config, "moe_router_load_balancing_type", None)
+    lbs = lb if isinstance(lb, list | tuple) else [lb]
+    if "sinkhorn" in lbs:
+        problems.append("moe_router_load_balancing_type='sinkhorn' (sinkhorn routing ignores replay)")
+    if getattr(config, "moe_router_force_load_balancing", False):
+        problems.append("moe_router_force_load_balancing=True (random logits)")
+    if getattr(config, "moe_expert_capacity_factor", None) is not None:
+        problems.append(
+            f"moe_expert_capacity_factor={config.moe_expert_capacity_factor} "
+            "(token dropping discards replayed assignments)"
+        )
+    for name in dir(config):
+        if "quantile" in name and not name.startswith("_") and getattr(config, name, None):
+            problems.append(f"{name}={getattr(config, name)!r} (quantile balancing bypasses replay)")
+    if problems:
+        raise ReplayConfigError("routing replay cannot be exact with: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class RouterSlot:
+    """One router of this rank.
+
+    Attributes:
+        layer_number: Megatron's global 1-based layer number (pipeline offset included).
+        router: the ``TopKRouter`` module.
+        replay: its ``RouterReplay``.
+        top_k, num_experts: its routing shape.
+        name: module path, for messages.
+    """
+
+    layer_number: int
+    router: torch.nn.Module
+    replay: RouterReplay
+    top_k: int
+    num_experts: int
+    name: str
+
+    @property
+    def layer(self) -> int:
+        """Global 0-based layer index, the records' ``moe_layers`` numbering."""
+        return self.layer_number - 1
+
+
+def find_routers(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[RouterSlot]:
+    """This rank's routers that carry a RouterReplay, sorted by global layer number.
+
+    ``model`` is a module or the list of VPP model chunks; wrappers (DDP, Float16Module) are
+    walked through. Raises :class:`RouteLayerMismatchError` if a router lacks a layer number or
+    two routers share one.
+    """
+    chunks = list(model) if isinstance(model, Sequence) else [model]
+    seen: set[int] = set()
+    slots: list[RouterSlot] = []
+    for ci, chunk in enumerate(chunks):
+        for name, mod in chunk.named_modules():
+            rr = getattr(mod, "router_replay", None)
+            if not isinstance(rr, RouterReplay) or id(mod) in seen:
+                continue
+            seen.add(id(mod))
+            ln = getattr(mod, "layer_number", None)
+            if ln is None:
+                raise RouteLayerMismatchError(f"router {name} (chunk {ci}) has no layer_number")
+            slots.append(
+                RouterSlot(
+                    int(ln), mod, rr, int(mod.topk), int(mod.config.num_moe_experts),
+                    f"chunk{ci}.{name}" if len(chunks) > 1 else name,
+                )
+            )
+    slots.sort(key=lambda s: s.layer_number)
+    nums = [s.layer_number for s in slots]
+    if len(set(nums)) != len(nums):
+        raise RouteLayerMismatchError(f"routers share layer numbers: {nums}")
+    return slots
+
+
+def _rows_of(x: torch.Tensor) -> int:
+    """Tokens a router input ``[S, B, H]`` (or ``[N, H]``) holds."""
+    return int(x.numel() // x.shape[-1])
+
+
+class RouterReplayer:
+    """Installs replay targets into this rank's routers.
+
+    A trainer's ``forward_step`` wraps its model call::
+
+        replayer = RouterReplayer(model)               # once, after the model is built
+        with replayer.step():                          # each optimizer step
+            ...schedule calls forward_step per micro-batch...
+        def forward_step(data_iter, model):
+            batch = next(data_iter)                    # batch["replay_targets"]: ReplayTargets
+            with replayer.micro_batch(batch["replay_targets"]):
+                out = model(...)
+            return out, loss_func
+
+    ``targets`` rows must be what each router sees (see :class:`PositionMap.local`). Every router's
+    input row count is checked against its target in a forward pre-hook, during forward and during
+    recompute; a mismatch raises :class:`TargetShapeError` instead of leaving tokens unrouted.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
+        *,
+        dtype: torch.dtype = torch.int64,
+        check_config: bool = True,
+    ) -> None:
+        self.slots = find_routers(model)
+        if not self.slots:
+            raise ReplayConfigError(
+                "no router with RouterReplay found in the model: build it with "
+                "moe_enable_routing_replay=True"
+            )
+        if check_config:
+            check_replay_config(self.slots[0].router.config)
+        if dtype not in (torch.int64, torch.int32):
+            raise TargetShapeError(f"RouterReplay gathers need int64 or int32 targets, not {dtype}")
+        self.dtype = dtype
+        self._hooks = [
+            s.router.register_forward_pre_hook(self._make_check(s)) for s in self.slots
+        ]
+
+    # -- introspection ----------------------------------------------------------------------------
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Global 0-based MoE layer indices of this rank's routers (what to gather targets for)."""
+        return tuple(s.layer for s in self.slots)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.slots[0].router.parameters()).device
+
+    # -- shape check during forward/recompute -----------------------------------------------------
+    @staticmethod
+    def _make_check(slot: RouterSlot):
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            rr = slot.replay
+            act = rr.router_replay_action
+            if act == RouterReplayAction.REPLAY_FORWARD:
+                t = rr.target_topk_idx
+                when = "forward"
+            elif act == RouterReplayAction.REPLAY_BACKWARD:
+                if not rr.replay_backward_list:
+                    raise TargetShapeError(
+                        f"layer {slot.layer_number} ({slot.name}): recompute found no queued "
+                        "targets; was the micro-batch run outside RouterReplayer.micro_batch?"
+                    )
+                t = rr.replay_backward_list[0]
+                when = "recompute"
+            else:
+                return
+            n = _rows_of(args[0])
+            if t is None or t.shape[0] != n:
+                raise TargetShapeError(
+                    f"layer {slot.layer_number} ({slot.name}) {when}: router sees {n} tokens "
+                    f"but the replay target has {None if t is None else t.shape[0]} rows"
+                )
+
+        return hook
+
+    # -- installing -------------------------------------------------------------------------------
+    def _per_layer(self, targets: TargetsLike, layers: Sequence[int] | None) -> list[torch.Tensor]:
+        dev = self.device
+        want = self.layers
+        if isinstance(targets, ReplayTargets):
+            if targets.num_experts != self.slots[0].num_experts:
+                raise RouteLayerMismatchError(
+                    f"targets are for {targets.num_experts} experts, the model has "
+                    f"{self.slots[0].num_experts}"
+                )
+            stacked = targets.select(want).to_torch(dev, self.dtype)
+            return list(stacked.unbind(0))
+        if isinstance(targets, Mapping):
+            missing = sorted(set(want) - set(targets))
+            if missing:
+                raise RouteLayerMismatchError(
+                    f"no targets for this rank's MoE layers {missing} (global 0-based); got "
+                    f"{sorted(targets)}"
+                )
+            return [targets[x].to(dev, self.dtype) for x in want]
+        if layers is None:
+            layers = want
+        if targets.ndim != 3 or targets.shape[0] != len(layers):
+            raise TargetShapeError(
+                f"targets must be [M={len(layers)}, N, K], got {tuple(targets.shape)}"
+            )
+        idx = {x: i for i, x in enumerate(layers)}
+        missing = sorted(set(want) - set(idx))
+        if missing:
+            raise RouteLayerMismatchError(
+                f"no targets for this rank's MoE layers {missing}; got {list(layers)}"
+            )
+        t = targets.to(dev, self.dtype)
+        return [t[idx[x]] for x in want]
+
+    def set_targets(
+        self,
+        targets: TargetsLike,
+        *,
+        layers: Sequence[int] | None = None,
+        num_tokens: int | None = None,
+        check_values: bool = True,
+    ) -> None:
+        """Queue one micro-batch's targets into every router (no action change).
+
+        ``targets``: :class:`ReplayTargets` (compact, widened on the device), a ``[M, N, K]`` tensor
+        whose layers are ``layers`` (default this rank's), or ``{layer: [N, K] tensor}``. Checks
+        top-k, row count (all layers equal, and ``num_tokens`` if given) and the expert range.
+        """
+        per = self._per_layer(targets, layers)
+        n0 = per[0].shape[0]
+        for s, t in zip(self.slots, per, strict=True):
+            if t.ndim != 2 or t.shape[1] != s.top_k:
+                raise TargetShapeError(
+                    f"layer {s.layer_number} ({s.name}): target shape {tuple(t.shape)}, expected "
+                    f"[tokens, top_k={s.top_k}]"
+                )
+            if t.shape[0] != n0 or (num_tokens is not None and t.shape[0] != num_tokens):
+                raise TargetShapeError(
+                    f"layer {s.layer_number} ({s.name}): target has {t.shape[0]} rows, expected "
+                    f"{num_tokens if num_tokens is not None else n0}"
+                )
+        if check_values and not isinstance(targets, ReplayTargets):
+            # ReplayTargets are in range by construction; raw tensors are checked (one sync).
+            allt = torch.stack(per)
+            lo, hi = int(allt.min()), int(allt.max())
+            if lo < 0 or hi >= self.slots[0].num_experts:
+                raise TargetShapeError(
+                    f"target expert ids span [{lo}, {hi}], expected [0, "
+                    f"{self.slots[0].num_experts})"
+                )
+        for s, t in zip(self.slots, per, strict=True):
+            s.replay.set_target_indices(t)
+
+    def set_action(self, action: RouterReplayAction | None) -> None:
+        for s in self.slots:
+            if action is None:
+                s.replay.clear_router_replay_action()
+            else:
+                s.replay.set_router_replay_action(action)
+
+    @contextmanager
+    def micro_batch(self, targets: TargetsLike, **kwargs: Any) -> Iterator[None]:
+        """Replay ``targets`` for the forward inside the block; afterwards switch to
+        REPLAY_BACKWARD so recompute in the (later) backward pops them in FIFO order."""
+        self.set_targets(targets, **kwargs)
+        self.set_action(RouterReplayAction.REPLAY_FORWARD)
+        try:
+            yield
+        finally:
+            self.set_action(RouterReplayAction.REPLAY_BACKWARD)
+
+    def clear(self) -> None:
+        """Drop all queued targets, recorded indices and actions (routers route normally)."""
+        for s in self.slots:
+            s.replay.clear_indices()
+            s.replay.clear_router_replay_action()
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """One optimizer step: cleared on entry and exit (also on error), so targets never leak
+        into the next step or into an eval forward."""
+        self.clear()
+        try:
+            yield
+        finally:
+            self.clear()
+
+    def remove(self) -> None:
+        """Remove the shape-check hooks and clear."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.clear()
+
+
+def _compact_dtype(num_experts: int) -> torch.dtype:
+    return torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 32768 else torch.int32
+
+
+class R2Recorder:
+    """R2 (router replay without a service): record the routes of the old-logprob pass, replay
+    them in the update passes.
+
+    ::
+
+        r2 = R2Recorder(replayer)
+        for i, mb in enumerate(micro_batches):         # old-logprob pass (no grad)
+            with r2.record(i):
+                model(...)
+        with replayer.step():
+            for i, mb in enumerate(micro_batches):     # update
+                with r2.replay(i):
+                    model(...)
+        r2.clear()
+    """
+
+    def __init__(self, replayer: RouterReplayer) -> None:
+        self.replayer = replayer
+        self._recorded: dict[Any, torch.Tensor] = {}
+
+    @contextmanager
+    def record(self, key: Any) -> Iterator[None]:
+        """Record this rank's routes of the forward inside the block under ``key``."""
+        rp = self.replayer
+        rp.set_action(RouterReplayAction.RECORD)
+        for s in rp.slots:
+            s.replay.recorded_topk_idx = None
+        try:
+            yield
+        finally:
+            rp.set_action(None)
+        rows = []
+        for s in rp.slots:
+            t = s.replay.get_recorded_indices()
+            if t is None:
+                raise TargetShapeError(f"layer {s.layer_number} ({s.name}) recorded nothing")
+            rows.append(t.detach().to(_compact_dtype(s.num_experts)))
+        self._recorded[key] = torch.stack(rows)
+
+    def recorded(self, key: Any) -> torch.Tensor:
+        """``[M, N, K]`` compact (uint8/int16) routes recorded under ``key``, layers =
+        ``replayer.layers``."""
+        return self._recorded[key]
+
+    @contextmanager
+    def replay(self, key: Any) -> Iterator[None]:
+        with self.replayer.micro_batch(self._recorded[key], check_values=False):
+            yield
+
+    def clear(self) -> None:
+        self._recorded.clear()
+
+
+def targets_as_numpy(t: torch.Tensor) -> np.ndarray:
+    """Host copy of a target tensor (for logging/debugging)."""
+    return t.detach().cpu().numpy()

@@ -1,0 +1,212 @@
+"""Replay targets: per MoE layer ``[tokens, top_k]`` expert ids for one rank's router inputs.
+
+Pure data. Expert ids stay in the records' compact dtype (uint8 for <= 256 experts, else uint16)
+until the installer moves them to the device and widens them there: a 256k-token, 48-layer, top-8
+batch is 100 MB as uint8 and 800 MB as int64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from routereplay.client._record import RouteRecord, expert_dtype
+
+from ._position_map import PositionMap
+from .errors import RouteLayerMismatchError, TargetShapeError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ReplayTargets", "filler_experts", "gather_targets"]
+
+
+def filler_experts(
+    position: np.ndarray, num_experts: int, top_k: int, dtype: np.dtype | None = None
+) -> np.ndarray:
+    """Filler rows for positions without a route: ``[N, top_k]``.
+
+    Row of position ``p`` is ``(p * top_k + j) % num_experts`` for ``j < top_k``: ``top_k`` DISTINCT
+    experts (duplicates collapse in Megatron's routing_map and break the all-to-all split sizes at
+    EP > 1), deterministic in the unsliced position, and spread evenly over the experts so padding
+    does not pile onto expert 0.
+    """
+    if top_k > num_experts:
+        raise TargetShapeError(f"top_k={top_k} exceeds num_experts={num_experts}")
+    dt = expert_dtype(num_experts) if dtype is None else np.dtype(dtype)
+    p = np.asarray(position, dtype=np.int64).reshape(-1, 1)
+    return ((p * top_k + np.arange(top_k, dtype=np.int64)) % num_experts).astype(dt)
+
+
+@dataclass(frozen=True)
+class ReplayTargets:
+    """Replay targets of one micro-batch on one rank.
+
+    Attributes:
+        layers: global 0-based indices of the MoE layers, ascending (Megatron's
+            ``router.layer_number - 1``).
+        experts: ``[M, N, K]`` uint8/uint16, layer-major; row ``n`` is the ``n``-th row the router
+            sees (sequence-major ``s * B + b`` of this rank's ``[S, B]`` slice).
+        num_experts: ``E``; every id is ``< E``.
+        filler_rows: how many of the ``N`` rows are fillers (no route).
+    """
+
+    layers: tuple[int, ...]
+    experts: np.ndarray
+    num_experts: int
+    filler_rows: int = 0
+
+    def __post_init__(self) -> None:
+        if self.experts.ndim != 3 or self.experts.shape[0] != len(self.layers):
+            raise TargetShapeError(
+                f"experts must be [M={len(self.layers)}, N, K], got {self.experts.shape}"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.experts.shape[1])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.experts.shape[2])
+
+    def layer(self, layer: int) -> np.ndarray:
+        """``[N, K]`` targets of global 0-based MoE layer ``layer``."""
+        try:
+            return self.experts[self.layers.index(layer)]
+        except ValueError:
+            raise RouteLayerMismatchError(
+                f"no targets for layer {layer}; targets cover layers {list(self.layers)}"
+            ) from None
+
+    def select(self, layers: Sequence[int]) -> ReplayTargets:
+        """Targets restricted to ``layers`` (a pipeline stage's or VPP chunk's MoE layers)."""
+        idx = [self.layers.index(x) for x in layers if x in self.layers]
+        missing = sorted(set(layers) - set(self.layers))
+        if missing:
+            raise RouteLayerMismatchError(
+                f"no targets for layers {missing}; targets cover layers {list(self.layers)}"
+            )
+        return ReplayTargets(tuple(layers), self.experts[idx], self.num_experts, self.filler_rows)
+
+    def to_torch(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """``[M, N, K]`` tensor on ``device``. Copied in the compact dtype, widened there
+        (default int64, what RouterReplay's gather needs)."""
+        import torch
+
+        t = torch.from_numpy(self.experts)
+        if device is not None and torch.device(device).type != "cpu":
+            t = t.pin_memory().to(device, non_blocking=True)
+        return t.to(torch.int64 if dtype is None else dtype)
+
+
+def _col_runs(cols: list[int]) -> list[tuple[int, int, int]]:
+    """Group (output layer i -> record column cols[i]) into contiguous (out0, col0, n) ranges."""
+    runs: list[tuple[int, int, int]] = []
+    for i, c in enumerate(cols):
+        if runs and runs[-1][0] + runs[-1][2] == i and runs[-1][1] + runs[-1][2] == c:
+            o, c0, n = runs[-1]
+            runs[-1] = (o, c0, n + 1)
+        else:
+            runs.append((i, c, 1))
+    return runs
+
+
+def gather_targets(
+    pmap: PositionMap,
+    records: Sequence[RouteRecord],
+    layers: Sequence[int],
+    *,
+    num_experts: int | None = None,
+    top_k: int | None = None,
+    input_ids: np.ndarray | None = None,
+) -> ReplayTargets:
+    """Copy each mapped position's expert rows out of ``records`` for the MoE ``layers``.
+
+    Args:
+        pmap: this rank's position map ``[B, S]`` (already CP/SP-sliced).
+        records: the records the map's indices point into.
+        layers: global 0-based MoE layer indices of this rank's routers (pipeline stage / VPP
+            chunks); each must be among every used record's ``moe_layers``.
+        num_experts, top_k: the model's; default the records'. Needed when no record is used.
+        input_ids: the trainer's ``[B, S]`` token ids for this map; when given they are checked
+            against the records (:class:`TokenMismatchError`).
+
+    Returns:
+        :class:`ReplayTargets` with ``[M, B*S, K]`` rows in sequence-major order (``s * B + b``),
+        fillers at no-route positions and at the records' invalid rows.
+
+    Copies are memcpy runs: consecutive positions reading consecutive rows of one record are one
+    strided copy of all layers at once, so the cost is one pass over the output bytes.
+    """
+    layers = tuple(int(x) for x in layers)
+    used = np.unique(pmap.record[pmap.record >= 0])
+    if num_experts is None or top_k is None:
+        if not used.size:
+            raise RouteLayerMismatchError("no record is used: pass num_experts and top_k")
+        r0 = records[int(used[0])]
+        num_experts = r0.num_experts if num_experts is None else num_experts
+        top_k = r0.top_k if top_k is None else top_k
+    dt = expert_dtype(num_experts)
+    cols_of: dict[int, list[tuple[int, int, int]]] = {}
+    layer_major: dict[int, np.ndarray] = {}
+    for ri in used.tolist():
+        r = records[ri]
+        if r.num_experts != num_experts or r.top_k != top_k:
+            raise RouteLayerMismatchError(
+                f"record {ri} has num_experts={r.num_experts}, top_k={r.top_k}; the model has "
+                f"num_experts={num_experts}, top_k={top_k}"
+            )
+        missing = sorted(set(layers) - set(r.moe_layers))
+        if missing:
+            raise RouteLayerMismatchError(
+                f"record {ri} has no routes for the model's MoE layers {missing} (global 0-based);"
+                f" it covers {list(r.moe_layers)} of {r.num_layers} layers"
+            )
+        cols_of[ri] = _col_runs([r.moe_layers.index(x) for x in layers])
+        layer_major[ri] = r.layer_major()
+    if input_ids is not None:
+        pmap.check_tokens(records, input_ids)
+
+    B, S = pmap.shape
+    N = B * S
+    M = len(layers)
+    # Batch-major output first: runs of consecutive rows are long there; reordered at the end.
+    out = np.empty((M, N, top_k), dtype=dt)
+    rec = pmap.record.reshape(-1)
+    tok = pmap.token.reshape(-1)
+    if N:
+        brk = np.flatnonzero((rec[1:] != rec[:-1]) | (tok[1:] != tok[:-1] + 1)) + 1
+        starts = np.concatenate([[0], brk]).tolist()
+        ends = np.concatenate([brk, [N]]).tolist()
+        for s, e in zip(starts, ends, strict=True):
+            ri = int(rec[s])
+            if ri < 0:
+                continue
+            lm = layer_major[ri]
+            t0 = int(tok[s])
+            for o, c0, n in cols_of[ri]:
+                out[o : o + n, s:e] = lm[c0 : c0 + n, t0 : t0 + (e - s)]
+    # Fillers: no route, or a row the record marks invalid (zeros there would pass for expert 0).
+    none = rec < 0
+    if used.size:
+        valid_cat = np.concatenate([records[i].valid for i in range(int(used.max()) + 1)])
+        voffs = np.zeros(int(used.max()) + 2, np.int64)
+        np.cumsum([records[i].num_tokens for i in range(int(used.max()) + 1)], out=voffs[1:])
+        mapped = ~none
+        none[mapped] = ~valid_cat[voffs[rec[mapped]] + tok[mapped]]
+    fill_idx = np.flatnonzero(none)
+    if fill_idx.size:
+        out[:, fill_idx] = filler_experts(
+            pmap.position.reshape(-1)[fill_idx], num_experts, top_k, dt
+        )[None]
+    if B > 1:  # [M, B, S, K] -> [M, S, B, K]: Megatron's router flattens [S, B] sequence-major
+        out = np.ascontiguousarray(out.reshape(M, B, S, top_k).transpose(0, 2, 1, 3)).reshape(
+            M, N, top_k
+        )
+    return ReplayTargets(layers, out, num_experts, int(fill_idx.size))
