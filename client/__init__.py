@@ -16,6 +16,7 @@ from ._errors import (
     RouteTruncatedError,
     RouteVersionError,
 )
+from ._http import AsyncRoutesClient, RoutesClient
 from ._layout import DEFAULT_BLOCK_SIZE, DEFAULT_TTL_S, KeySchema, PutResult, validate_route_id
 from ._record import RouteRecord, expert_dtype
 from ._store import AsyncRouteStore, RouteStore
@@ -26,6 +27,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MEDIA_TYPE",
     "AsyncRouteStore",
+    "AsyncRoutesClient",
     "KeySchema",
     "PutResult",
     "RouteConnectionError",
@@ -39,6 +41,7 @@ __all__ = [
     "RouteStore",
     "RouteTruncatedError",
     "RouteVersionError",
+    "RoutesClient",
     "decode_record",
     "encode_record",
     "expert_dtype",

@@ -226,9 +226,14 @@ def _join_planes(data: memoryview, shape: tuple[int, ...], dtype: np.dtype) -> n
     return out.view("<u2").reshape(shape).astype(dtype, copy=False)
 
 
-def canonicalize(lm: np.ndarray) -> np.ndarray:
-    """Sort the K experts within every row (replay is insensitive to their order)."""
-    return np.sort(lm, axis=-1)
+def canonicalize(lm: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Sort the K experts within every row (replay is insensitive to their order) and set rows
+    without a route (``valid`` False) to ``0..K-1``: their content carries no information, and
+    distinct sorted rows everywhere let the rank transform apply."""
+    out = np.sort(lm, axis=-1)
+    if not valid.all():
+        out[:, ~valid, :] = np.arange(lm.shape[-1], dtype=lm.dtype)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,15 +256,20 @@ def encode_body(
     num_experts: int,
     *,
     canonical_order: bool = False,
+    presorted: bool = False,
 ) -> dict[str, Any]:
-    """Payload fields for a block of rows; ``experts_lm`` is layer-major ``[M, T, K]``."""
+    """Payload fields for a block of rows; ``experts_lm`` is layer-major ``[M, T, K]``.
+
+    ``canonical_order`` stores rows in canonical form (see :func:`canonicalize`);
+    ``presorted`` says the caller already canonicalised them.
+    """
     M, T, K = experts_lm.shape
-    if canonical_order:
-        experts_lm = canonicalize(experts_lm)
+    if canonical_order and not presorted:
+        experts_lm = canonicalize(experts_lm, valid)
     xf = XF_PLAIN
     rows: bytes | None = None
-    # Ranks exist only for rows of distinct experts (always true of routed rows; invalid rows an
-    # engine left as zeros are not): otherwise fall back to the exact transforms.
+    # Ranks exist only for rows of distinct experts (always true of routed rows; canonicalize
+    # normalises invalid ones): a record with repeated ids falls back to the exact transforms.
     rankable = (
         canonical_order
         and rank_bits(num_experts, K) is not None
@@ -349,7 +359,8 @@ def encode_record(record: RouteRecord, *, canonical_order: bool = False) -> byte
 
     ``canonical_order=True`` sorts the K experts of each row (replay does not depend on their
     order) and lets the codec reach the order-insensitive information bound; the decoded record
-    then has sorted rows. The default round-trips every byte exactly.
+    then has sorted rows, and rows without a route (``valid`` False) read ``0..K-1``. The default
+    round-trips every byte exactly.
     """
     payload = encode_body(
         record.token_ids,

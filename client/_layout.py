@@ -153,6 +153,7 @@ class PutPlan:
                 self.record.valid[a:b],
                 self.record.num_experts,
                 canonical_order=self.canonical,
+                presorted=True,
             )
             self.encoded[i] = frame(KIND_CHUNK, payload)
         return self.encoded[i]
@@ -169,7 +170,7 @@ def plan_put(
     validate_route_id(route_id)
     lm = record.layer_major()
     if canonical_order:
-        lm = canonicalize(lm)
+        lm = canonicalize(lm, record.valid)
     T = record.num_tokens
     spans = _blocks(T, block_size)
     seed = chain_seed(record.model, record.num_experts, record.top_k, record.moe_layers, block_size)

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from redis_procs import redis_cluster, redis_server
+from routereplay.client._local_redis import redis_cluster, redis_server
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
-"""Real redis-server processes on free loopback ports, for tests and benchmarks.
+"""Private redis-server processes on free loopback ports.
 
-Never touches the machine's shared Redis on 6379: every instance here gets its own port and
-working directory and is killed on exit.
+Used by the service's embedded default (no Redis URL configured), the benchmarks and the tests.
+Never touches a machine's shared Redis: every instance gets its own port and temporary working
+directory, keeps nothing on disk, and is stopped on exit.
 """
 
 from __future__ import annotations

@@ -1,0 +1,275 @@
+"""``routereplay bench store``: storage size, codec speed and prefix dedupe, against peers' formats.
+
+Peers ship routes inline in the OpenAI response: vLLM as base64 of an ``.npy`` of
+``[T - 1, num_layers, K]`` uint8/uint16 (dense layers included), SGLang as base64 of int32. Both
+are computed here, in the same run, from the same routes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._codec import decode_record, encode_record
+from ._local_redis import redis_server
+from ._record import RouteRecord, expert_dtype
+from ._store import RouteStore
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    num_layers: int
+    first_dense: int
+    num_experts: int
+    top_k: int
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.first_dense, self.num_layers))
+
+
+SHAPES = [
+    Shape("Qwen3-30B-A3B", 48, 0, 128, 8),
+    Shape("DeepSeek-V3", 61, 3, 256, 8),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# route generators
+# ---------------------------------------------------------------------------------------------
+def uniform_routes(rng: np.random.Generator, T: int, M: int, E: int, K: int) -> np.ndarray:
+    """Each row: K distinct experts drawn uniformly (the hardest case for any codec)."""
+    out = np.empty((T, M, K), dtype=expert_dtype(E))
+    step = max(1, (1 << 22) // (M * E))
+    for a in range(0, T, step):
+        b = min(a + step, T)
+        keys = rng.random(((b - a) * M, E), dtype=np.float32)
+        out[a:b] = np.argpartition(keys, K, axis=1)[:, :K].reshape(b - a, M, K)
+    return out
+
+
+def skewed_routes(
+    rng: np.random.Generator,
+    T: int,
+    M: int,
+    E: int,
+    K: int,
+    *,
+    zipf_s: float = 1.1,
+    keep: float = 0.5,
+) -> np.ndarray:
+    """Zipf expert popularity per layer; each slot keeps the previous token's expert with
+    probability ``keep`` (neighbouring tokens share experts), else draws a new distinct one."""
+    weights = 1.0 / np.arange(1, E + 1) ** zipf_s
+    weights /= weights.sum()
+    perms = np.stack([rng.permutation(E) for _ in range(M)])  # popularity order per layer
+    cdf = np.cumsum(weights)
+
+    def draw(n: int) -> np.ndarray:
+        return np.minimum(np.searchsorted(cdf, rng.random(n)), E - 1)
+
+    out = np.empty((T, M, K), dtype=expert_dtype(E))
+    prev = np.stack([perms[m][rng.choice(E, K, replace=False, p=weights)] for m in range(M)])
+    for t in range(T):
+        row = prev.copy()
+        fresh = rng.random((M, K)) >= keep
+        if t == 0:
+            fresh[:] = False
+        for m in np.nonzero(fresh.any(axis=1))[0]:
+            slots = np.nonzero(fresh[m])[0]
+            kept = set(row[m][~fresh[m]].tolist())
+            for s in slots:
+                while True:
+                    e = int(perms[m][draw(1)[0]])
+                    if e not in kept:
+                        kept.add(e)
+                        row[m, s] = e
+                        break
+        out[t] = row
+        prev = row
+    return out
+
+
+def make_record(
+    shape: Shape, experts: np.ndarray, tokens: np.ndarray, prompt_len: int
+) -> RouteRecord:
+    valid = np.ones(tokens.shape[0], bool)
+    valid[-1] = False
+    ex = experts.copy()
+    ex[-1] = 0
+    return RouteRecord(
+        token_ids=tokens,
+        experts=ex,
+        valid=valid,
+        moe_layers=shape.moe_layers,
+        num_layers=shape.num_layers,
+        num_experts=shape.num_experts,
+        prompt_len=prompt_len,
+        model=shape.name,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# peers' inline formats
+# ---------------------------------------------------------------------------------------------
+def vllm_inline(rec: RouteRecord) -> bytes:
+    """vLLM's ``routed_experts``: base64 of ``np.save`` of ``[T-1, num_layers, K]``."""
+    full = np.zeros((rec.num_tokens - 1, rec.num_layers, rec.top_k), dtype=rec.experts.dtype)
+    full[:, list(rec.moe_layers)] = rec.experts[:-1]
+    buf = io.BytesIO()
+    np.save(buf, full)
+    return base64.b64encode(buf.getvalue())
+
+
+def sglang_inline(rec: RouteRecord) -> bytes:
+    full = np.zeros((rec.num_tokens - 1, rec.num_layers, rec.top_k), dtype=np.int32)
+    full[:, list(rec.moe_layers)] = rec.experts[:-1]
+    return base64.b64encode(full.tobytes())
+
+
+# ---------------------------------------------------------------------------------------------
+# measurements
+# ---------------------------------------------------------------------------------------------
+def _best(fn: Callable[[], object], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def bound_bits(shape: Shape, ordered: bool) -> float:
+    E, K = shape.num_experts, shape.top_k
+    if ordered:
+        return sum(math.log2(E - i) for i in range(K))
+    return math.log2(math.comb(E, K))
+
+
+def bench_sizes_and_speed(rng: np.random.Generator, T: int, repeat: int) -> None:
+    print(f"\n== Size per token and codec speed (one record of {T} tokens, one core) ==")
+    hdr = (
+        f"{'shape':14s} {'routes':8s} {'order':7s} {'B/token':>8s} {'xbound':>7s} "
+        f"{'/raw u8':>8s} {'vs vLLM':>8s} {'vs SGL':>8s} {'enc MB/s':>9s} {'dec MB/s':>9s}"
+    )
+    print(hdr)
+    for shape in SHAPES:
+        M = len(shape.moe_layers)
+        tokens = rng.integers(0, 151_000, T)
+        for kind in ("uniform", "skewed"):
+            if kind == "uniform":
+                ex = uniform_routes(rng, T, M, shape.num_experts, shape.top_k)
+            else:
+                ex = skewed_routes(rng, T, M, shape.num_experts, shape.top_k)
+            rec = make_record(shape, ex, tokens, T // 2)
+            raw_u8 = shape.num_layers * shape.top_k  # vLLM's array: every layer, uint8
+            vllm_b = len(vllm_inline(rec)) / T
+            sgl_b = len(sglang_inline(rec)) / T
+            raw_bytes = rec.experts.nbytes
+            for canon in (False, True):
+                blob = encode_record(rec, canonical_order=canon)
+                # routes only: the 4 bytes/token of token ids are not part of the comparison
+                route_b = (len(blob) - 4 * T) / T
+                per_tok = len(blob) / T
+                bound = bound_bits(shape, not canon) * M / 8
+                te = _best(lambda r=rec, c=canon: encode_record(r, canonical_order=c), repeat)
+                td = _best(lambda b=blob: decode_record(b), repeat)
+                xb = f"{route_b / bound:7.3f}" if kind == "uniform" else f"{'-':>7s}"
+                print(
+                    f"{shape.name:14s} {kind:8s} {'sorted' if canon else 'exact':7s} "
+                    f"{per_tok:8.1f} {xb} {route_b / raw_u8:8.3f} {vllm_b / per_tok:7.1f}x "
+                    f"{sgl_b / per_tok:7.1f}x {raw_bytes / te / 1e6:9.0f} "
+                    f"{raw_bytes / td / 1e6:9.0f}"
+                )
+        print(
+            f"{'':14s} raw uint8 {raw_u8} B/token; vLLM inline {vllm_b:.0f} B/token; SGLang "
+            f"inline {sgl_b:.0f} B/token; bound (uniform) {bound_bits(shape, True) * M / 8:.1f} "
+            f"ordered, {bound_bits(shape, False) * M / 8:.1f} sorted B/token"
+        )
+    print(
+        "B/token = whole stored blob incl. 4 B/token of token ids; xbound and /raw u8 count route"
+        " bytes only; 'vs' = peer inline bytes / ours."
+    )
+
+
+def bench_dedupe(rng: np.random.Generator, url: str, prompt: int, completion: int) -> None:
+    print("\n== Prefix dedupe in the Redis store (bytes written vs each request stored whole) ==")
+    shape = SHAPES[0]
+    M = len(shape.moe_layers)
+    store = RouteStore.from_url(url, prefix=f"bench{rng.integers(1 << 30)}")
+    try:
+        # (a) GRPO group: n samples of one prompt.
+        n = 8
+        p_tok = rng.integers(0, 151_000, prompt)
+        p_rows = skewed_routes(rng, prompt, M, shape.num_experts, shape.top_k)
+        whole = dedup = 0
+        for i in range(n):
+            c_rows = skewed_routes(rng, completion, M, shape.num_experts, shape.top_k)
+            tok = np.concatenate([p_tok, rng.integers(0, 151_000, completion)])
+            rec = make_record(shape, np.concatenate([p_rows, c_rows]), tok, prompt)
+            whole += len(encode_record(rec))
+            dedup += store.put(f"grpo-{i}", rec).bytes_written
+        print(
+            f"GRPO group n={n}, prompt {prompt}, completions {completion}: "
+            f"{dedup / 1e6:.2f} MB vs {whole / 1e6:.2f} MB whole = {dedup / whole:.3f}x"
+        )
+        # (b) multi-turn: turn j re-sends everything before it and adds `completion` tokens.
+        turns = 10
+        total = completion * turns
+        tok = rng.integers(0, 151_000, total)
+        rows = skewed_routes(rng, total, M, shape.num_experts, shape.top_k)
+        whole = dedup = 0
+        for j in range(1, turns + 1):
+            end = j * completion
+            rec = make_record(shape, rows[:end], tok[:end], end - completion // 2)
+            whole += len(encode_record(rec))
+            dedup += store.put(f"turn-{j}", rec).bytes_written
+        print(
+            f"{turns}-turn trajectory, {completion} new tokens per turn: "
+            f"{dedup / 1e6:.2f} MB vs {whole / 1e6:.2f} MB whole = {dedup / whole:.3f}x"
+        )
+        # fetch cost of the trajectory's last turn plus the whole GRPO group in one batch
+        ids = [f"grpo-{i}" for i in range(n)] + [f"turn-{turns}"]
+        t = statistics.median(_time(lambda: store.get_many(ids)) for _ in range(3))
+        toks = n * (prompt + completion) + total
+        print(f"get_many of {len(ids)} records ({toks} tokens): {t * 1e3:.1f} ms")
+    finally:
+        store.close()
+
+
+def _time(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="routereplay bench store", description=__doc__)
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per record for size/speed")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--prompt", type=int, default=1024)
+    p.add_argument("--completion", type=int, default=1024)
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="Redis for the dedupe part; by default a private redis-server on a free port",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    rng = np.random.default_rng(args.seed)
+    bench_sizes_and_speed(rng, args.tokens, args.repeat)
+    if args.redis_url:
+        bench_dedupe(rng, args.redis_url, args.prompt, args.completion)
+    else:
+        with redis_server() as url:
+            bench_dedupe(rng, url, args.prompt, args.completion)
+    return 0
