@@ -283,7 +283,9 @@ def create_app(
         try:
             return validate_route_id(route_id)
         except RouteShapeError as e:
-            raise InvalidRequestError(str(e), param="route_id", code="invalid_route_id") from e
+            raise InvalidRequestError(
+                f"route_id: {e}", param="route_id", code="invalid_route_id"
+            ) from e
 
     def _start(request: Request) -> int:
         raw = request.query_params.get("start", "0")
@@ -299,7 +301,11 @@ def create_app(
         try:
             return await st.store.get(route_id, start=start)
         except RouteNotFoundError as e:
-            raise NotFoundError(str(e), param="route_id", code="route_not_found") from e
+            raise NotFoundError(
+                f"route_id {route_id!r} not found (never stored, deleted or expired)",
+                param="route_id",
+                code="route_not_found",
+            ) from e
         except RouteShapeError as e:
             raise InvalidRequestError(str(e), param="start") from e
 
@@ -343,7 +349,7 @@ def create_app(
         route_id = _route_id(route_id)
         if not await st.store.delete(route_id):
             raise NotFoundError(
-                f"route {route_id!r} not found", param="route_id", code="route_not_found"
+                f"route_id {route_id!r} not found", param="route_id", code="route_not_found"
             )
         return {"id": route_id, "deleted": True}
 

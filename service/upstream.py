@@ -1,0 +1,172 @@
+"""Upstream engine backend: an existing ``vllm serve --enable-return-routed-experts`` server.
+
+The request is forwarded (non-streaming, with ``return_token_ids``), vLLM's inline base64 ``.npy``
+``choices[i].routed_experts`` is decoded and stored, and the client gets the small handle instead.
+vLLM's server sends no routes on streamed responses, so a streamed request is served from one
+upstream non-streaming call and re-emitted as SSE (one content chunk per choice): routes are
+never lost, at the cost of time-to-first-token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from .engine import (
+    ChoiceDelta,
+    ChoiceFinished,
+    EngineBackend,
+    EngineEvent,
+    GenerationRequest,
+    PromptRendered,
+)
+from .errors import EngineUnavailableError, ServiceError
+from .model_info import ModelInfo, moe_layout
+
+__all__ = ["UpstreamBackend", "UpstreamError"]
+
+# routereplay's own request fields; the upstream would reject or misread them.
+_OWN_FIELDS = ("return_routed_experts", "stream", "stream_options")
+
+
+class UpstreamError(ServiceError):
+    """The upstream answered an error: relayed with its status and (OpenAI-schema) body."""
+
+    def __init__(self, status_code: int, body: dict[str, Any]) -> None:
+        err = body.get("error") if isinstance(body.get("error"), dict) else {}
+        super().__init__(str(err.get("message") or body), param=err.get("param"))
+        self.status_code = status_code
+        self._body = body if err else None
+
+    def body(self) -> dict:
+        return self._body or super().body()
+
+
+def _load_config(path: str) -> Any:
+    p = Path(path)
+    if (p / "config.json").is_file():
+        import json
+
+        return json.loads((p / "config.json").read_text())
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+class UpstreamBackend(EngineBackend):
+    def __init__(
+        self,
+        url: str,
+        *,
+        served_model_name: str | None = None,
+        model_config_path: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.served_model_name = served_model_name
+        self.model_config_path = model_config_path
+        self.timeout_s = timeout_s
+        self.client: httpx.AsyncClient | None = None
+        self.upstream_model = ""
+
+    async def start(self) -> None:
+        self.client = httpx.AsyncClient(
+            base_url=self.url,
+            timeout=httpx.Timeout(self.timeout_s, connect=10.0),
+            # Many concurrent long requests to one host: do not queue them in the pool.
+            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=256),
+        )
+        try:
+            r = await self.client.get("/v1/models")
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"upstream {self.url} /v1/models failed: {e!r}") from e
+        m = r.json()["data"][0]
+        self.upstream_model = m["id"]
+        # The upstream does not publish the layer layout; read the model's config (the path the
+        # upstream loaded, when it is on this host, or the one configured).
+        cfg_path = self.model_config_path or m.get("root") or m["id"]
+        cfg = await asyncio.to_thread(_load_config, cfg_path)
+        num_layers, moe, num_experts, top_k = moe_layout(cfg)
+        self.info = ModelInfo(
+            name=self.served_model_name or self.upstream_model,
+            num_layers=num_layers,
+            moe_layers=moe,
+            num_experts=num_experts,
+            top_k=top_k,
+            max_model_len=int(m.get("max_model_len") or 0) or (1 << 30),
+        )
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+            self.client = None
+
+    @property
+    def dead(self) -> bool:
+        # The upstream may come back; this replica stays alive and reports not-ready meanwhile.
+        return False
+
+    async def check_ready(self) -> None:
+        if self.client is None:
+            raise EngineUnavailableError("upstream client not started", code="engine_not_started")
+        try:
+            r = await self.client.get("/health", timeout=5.0)
+        except httpx.HTTPError as e:
+            raise EngineUnavailableError(f"upstream unreachable: {e!r}") from e
+        if r.status_code != 200:
+            raise EngineUnavailableError(f"upstream /health answered {r.status_code}")
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[EngineEvent]:
+        assert self.client is not None
+        chat = req.kind == "chat"
+        body = {k: v for k, v in req.raw.items() if k not in _OWN_FIELDS}
+        body.update(model=self.upstream_model, stream=False, return_token_ids=True)
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        try:
+            r = await self.client.post(
+                path, json=body, headers={"X-Request-Id": req.engine_request_id}
+            )
+        except httpx.HTTPError as e:
+            raise EngineUnavailableError(
+                f"upstream {self.url} failed: {e!r}", code="upstream_unreachable"
+            ) from e
+        try:
+            data = r.json()
+        except ValueError:
+            data = {"error": {"message": r.text[:500], "type": "upstream_error"}}
+        if r.status_code >= 400:
+            raise UpstreamError(r.status_code, data)
+        cached = ((data.get("usage") or {}).get("prompt_tokens_details") or {}).get(
+            "cached_tokens"
+        ) or 0
+        yield PromptRendered(prompt_token_ids=list(data.get("prompt_token_ids") or []))
+        for c in data["choices"]:
+            text = (c.get("message") or {}).get("content") if chat else c.get("text")
+            out_ids = list(c.get("token_ids") or [])
+            yield ChoiceDelta(
+                index=c["index"], text=text or "", token_ids=out_ids, raw_logprobs=c.get("logprobs")
+            )
+            b64 = c.get("routed_experts")
+            arr = None
+            if b64:
+                arr = np.load(io.BytesIO(base64.b64decode(b64)), allow_pickle=False)
+            yield ChoiceFinished(
+                index=c["index"],
+                finish_reason=c.get("finish_reason") or "stop",
+                stop_reason=c.get("stop_reason"),
+                output_token_ids=out_ids,
+                num_cached_tokens=int(cached),
+                routed_experts=arr,
+                routes_error=None if b64 else (
+                    "the upstream returned no routed_experts (is it started with "
+                    "--enable-return-routed-experts?)"
+                ),
+            )  # fmt: skip

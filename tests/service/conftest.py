@@ -1,0 +1,73 @@
+"""Service test fixtures: ONE routereplay service (one vLLM engine) for the whole session.
+
+The service runs as a real ``routereplay serve`` subprocess on a free loopback port, storing
+into the session's private redis-server (``redis_url`` from tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from routereplay.client import RouteStore
+from routereplay.service.tiny_model import ensure_tiny_model
+
+from ._procs import engine_env, free_port, process, serve_argv
+
+MODEL_NAME = "tiny-qwen3-moe-moe"
+
+
+@dataclass
+class Service:
+    url: str  # http://127.0.0.1:PORT
+    model: str
+    model_path: Path
+    redis_url: str
+    log: Path
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+    def store(self) -> RouteStore:
+        return RouteStore.from_url(self.redis_url)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # The shared cache by default (built once per machine); deterministic either way.
+    return ensure_tiny_model("moe").parent
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_dir: Path) -> Path:
+    return ensure_tiny_model("moe", model_dir)
+
+
+@pytest.fixture(scope="session")
+def dense_first_model(model_dir: Path) -> Path:
+    return ensure_tiny_model("dense-first", model_dir)
+
+
+@pytest.fixture(scope="session")
+def service(
+    redis_url: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Service]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("service") / "serve.log"
+    argv = serve_argv(
+        "--port", str(port), "--redis-url", redis_url, "--model-dir", str(tiny_model.parent),
+        "--max-model-len", "2048", "--log-level", "warning",
+    )  # fmt: skip
+    with process(argv, f"http://127.0.0.1:{port}/ready", log, engine_env()):
+        yield Service(f"http://127.0.0.1:{port}", MODEL_NAME, tiny_model, redis_url, log)
+
+
+@pytest.fixture()
+def http(service: Service) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=service.url, timeout=120.0) as c:
+        yield c
