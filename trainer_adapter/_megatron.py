@@ -17,7 +17,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
@@ -44,8 +43,12 @@ def check_replay_config(config: Any) -> None:
         problems.append("moe_router_fusion=True (the fused top-k kernel bypasses replay)")
     lb = getattr(config, "moe_router_load_balancing_type", None)
     lbs = lb if isinstance(lb, list | tuple) else [lb]
-    if "sinkhorn" in lbs:
-        problems.append("moe_router_load_balancing_type='sinkhorn' (sinkhorn routing ignores replay)")
+    for t in lbs:
+        if isinstance(t, str) and (t == "sinkhorn" or "quantile" in t):
+            problems.append(
+                f"moe_router_load_balancing_type={t!r} (this routing computes its own assignment "
+                "and ignores replay)"
+            )
     if getattr(config, "moe_router_force_load_balancing", False):
         problems.append("moe_router_force_load_balancing=True (random logits)")
     if getattr(config, "moe_expert_capacity_factor", None) is not None:
@@ -373,8 +376,3 @@ class R2Recorder:
 
     def clear(self) -> None:
         self._recorded.clear()
-
-
-def targets_as_numpy(t: torch.Tensor) -> np.ndarray:
-    """Host copy of a target tensor (for logging/debugging)."""
-    return t.detach().cpu().numpy()

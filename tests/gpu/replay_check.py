@@ -43,6 +43,8 @@ MOE_LAYERS = (1, 2, 3)  # global 0-based; Megatron layer_number 2, 3, 4
 E = 8
 K = 2
 V = 128
+PACK_LEN = 128  # THD tokens per micro-batch
+PAD_LEN = 32  # padded layout: sequence length
 H = 64
 
 
@@ -238,6 +240,9 @@ def build_batch(args, recs, mb: int):
     if args.layout == "thd":
         lens = np.array([len(t) for t in tokens])
         plens = -(-lens // mult) * mult
+        # A fixed pack length (the last sequence's padding absorbs the rest), as trainers pad
+        # packs: the allgather dispatcher needs equal token counts on every rank.
+        plens[-1] += PACK_LEN - plens.sum()
         cu = np.concatenate([[0], np.cumsum(lens)])
         cup = np.concatenate([[0], np.cumsum(plens)])
         pm = thd_position_map(samples, cu, cu_seqlens_padded=cup, records=recs)
@@ -250,11 +255,15 @@ def build_batch(args, recs, mb: int):
             seq[0, cup[i] : cup[i + 1]] = i
             pos[0, cup[i] : cup[i + 1]] = np.arange(plens[i])
         return pm, ids, seq, pos, cup
-    S = -(-max(len(t) for t in tokens) // mult) * mult
-    pm = padded_position_map(samples, S, padding_side="right", records=recs)
+    S = PAD_LEN
+    side = "left" if args.layout == "padded-left" else "right"
+    pm = padded_position_map(samples, S, padding_side=side, records=recs)
     ids = np.zeros((len(tokens), S), np.int64)
     for b, t in enumerate(tokens):
-        ids[b, : len(t)] = t
+        if side == "right":
+            ids[b, : len(t)] = t
+        else:
+            ids[b, S - len(t) :] = t
     seq = np.zeros_like(ids)
     pos = np.broadcast_to(np.arange(S), ids.shape).copy()
     return pm, ids, seq, pos, None
@@ -344,7 +353,7 @@ def main(argv=None) -> int:
     p.add_argument("--sp", action="store_true")
     p.add_argument("--dispatcher", default="allgather", choices=["allgather", "alltoall"])
     p.add_argument("--recompute", default="full", choices=["none", "full", "selective"])
-    p.add_argument("--layout", default="thd", choices=["thd", "padded"])
+    p.add_argument("--layout", default="thd", choices=["thd", "padded", "padded-left"])
     p.add_argument("--redis-url", default="")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--extras", action="store_true", help="also R2 mode, shape and stale checks")

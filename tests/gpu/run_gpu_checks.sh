@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The GPU replay checks (megatron-core 0.19.2, carried wheel) on a 2-GPU machine, one command.
+# Run from the repository root with the wheels in .whl/ (megatron-core, msgpack, zstandard for
+# CPython 3.12). Writes one log per configuration under /tmp/rr-gpu-logs, tarred into $OUT
+# when the device tool's $OUT is set.
+set -u
+LOGS=/tmp/rr-gpu-logs
+rm -rf "$LOGS" && mkdir -p "$LOGS"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+DEV=${DEV:-cuda}  # DEV=cpu SKIP_INSTALL=1 rehearses this script on a CPU machine
+if [ -z "${SKIP_INSTALL:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+fi
+# routereplay is not installed there: lay out the package (client minus its network modules,
+# which need redis/httpx; the check round-trips records through the codec instead of Redis).
+rm -rf /tmp/rr && mkdir -p /tmp/rr/routereplay/client
+cp routereplay/*.py /tmp/rr/routereplay/
+cp client/_errors.py client/_record.py client/_codec.py /tmp/rr/routereplay/client/
+echo '"""routereplay.client (GPU check subset)."""' > /tmp/rr/routereplay/client/__init__.py
+cp -r trainer_adapter /tmp/rr/routereplay/trainer_adapter
+export PYTHONPATH=/tmp/rr:/tmp/site
+python3 -c 'import torch, megatron.core as m, routereplay.client as c; print("torch",
+  torch.__version__, "gpus", torch.cuda.device_count(), "megatron-core", m.__version__, c.__file__)'
+[ "$DEV" = cuda ] && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+
+fail=0
+finish() {
+  [ -n "${OUT:-}" ] && tar czf "$OUT/gpu-logs.tgz" -C /tmp rr-gpu-logs
+  exit $fail
+}
+run() {  # name nproc args...
+  local name=$1 n=$2; shift 2
+  local t0=$(date +%s.%N)
+  if [ "$n" = 1 ]; then
+    python3 tests/gpu/replay_check.py --device $DEV "$@" >"$LOGS/$name.log" 2>&1
+  else
+    python3 -m torch.distributed.run --nproc-per-node "$n" tests/gpu/replay_check.py \
+      --device $DEV "$@" >"$LOGS/$name.log" 2>&1
+  fi
+  local rc=$?
+  [ $rc = 0 ] || fail=1
+  printf '%-28s rc=%s %5.1fs  %s\n' "$name" "$rc" "$(awk "BEGIN{print $(date +%s.%N) - $t0}")" "$*"
+  grep -h '^RESULT' "$LOGS/$name.log" | python3 -c '
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line[7:])
+    rows = {k: (v["fwd"], v["rec"], v["bad"]) for k, v in r["router_rows"].items()}
+    print("   rank", r["rank"], "ok", r["ok"], "targets==truth", r["targets_equal_truth"],
+          "rows(fwd,rec,bad)", rows, "fillers", r["filler_rows"],
+          "expert_mismatch", r["expert_count_mismatches"], {k: r[k] for k in ("r2",
+          "short_target_raises", "refused", "stale_instances_before_build") if k in r})'
+  [ $rc = 0 ] || tail -n 25 "$LOGS/$name.log"
+}
+run gpu1_thd_full_extras     1 --recompute full --extras
+run gpu1_thd_selective       1 --recompute selective
+run gpu1_padded_left         1 --layout padded-left
+run gpu2_tp2_sp_thd          2 --tp 2 --sp
+run gpu2_tp2_sp_padded       2 --tp 2 --sp --layout padded --recompute selective
+[ "$DEV" = cuda ] || { echo "CPU rehearsal: alltoall needs CUDA streams, skipped"; finish; }
+run gpu2_ep2_alltoall_thd    2 --ep 2 --dispatcher alltoall
+run gpu2_ep2_alltoall_sel    2 --ep 2 --dispatcher alltoall --recompute selective --layout padded
+run gpu2_cp2_thd             2 --cp 2
+finish
