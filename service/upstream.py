@@ -147,8 +147,18 @@ class UpstreamBackend(EngineBackend):
         cached = ((data.get("usage") or {}).get("prompt_tokens_details") or {}).get(
             "cached_tokens"
         ) or 0
-        yield PromptRendered(prompt_token_ids=list(data.get("prompt_token_ids") or []))
-        for c in data["choices"]:
+        choices = data.get("choices") or []
+        # Chat puts prompt_token_ids on the response, completions on each choice.
+        prompt_ids = data.get("prompt_token_ids") or (
+            choices[0].get("prompt_token_ids") if choices else None
+        )
+        if not prompt_ids:
+            raise EngineUnavailableError(
+                "the upstream returned no prompt_token_ids (a vLLM without return_token_ids?)",
+                code="upstream_incompatible",
+            )
+        yield PromptRendered(prompt_token_ids=list(prompt_ids))
+        for c in choices:
             text = (c.get("message") or {}).get("content") if chat else c.get("text")
             out_ids = list(c.get("token_ids") or [])
             yield ChoiceDelta(

@@ -1,0 +1,133 @@
+"""The upstream backend against a real ``vllm serve --enable-return-routed-experts`` process.
+
+The upstream serves the dense-first tiny model (``mlp_only_layers=[0]``), so this module also
+checks that dense layers are marked as such, never stored as expert 0.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from routereplay.client import decode_record
+
+from ._procs import engine_env, free_port, process, serve_argv, stop, vllm_serve_argv
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def upstream(dense_first_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    port = free_port()
+    log = tmp_path_factory.mktemp("upstream") / "vllm.log"
+    argv = vllm_serve_argv(str(dense_first_model), port, "--served-model-name", "dense-first")
+    with process(argv, f"http://127.0.0.1:{port}/v1/models", log, engine_env()) as proc:
+        yield proc, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def front(upstream, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    _, up_url = upstream
+    port = free_port()
+    log = tmp_path_factory.mktemp("front") / "serve.log"
+    argv = serve_argv(
+        "--backend", "upstream", "--upstream-url", up_url, "--port", str(port),
+        "--redis-url", redis_url, "--route-prefix", "up", "--log-level", "warning",
+    )  # fmt: skip
+    with process(argv, f"http://127.0.0.1:{port}/ready", log, engine_env()):
+        yield f"http://127.0.0.1:{port}"
+
+
+def route(front: str, route_id: str):
+    r = httpx.get(f"{front}/v1/routes/{route_id}", timeout=30)
+    assert r.status_code == 200, r.text
+    return decode_record(r.content)
+
+
+def test_models_report_dense_layout(front: str) -> None:
+    m = httpx.get(f"{front}/v1/models").json()["data"][0]
+    assert m["id"] == "dense-first"
+    assert m["routed_experts"] == {"num_layers": 4, "moe_layers": [1, 2, 3], "num_experts": 8,
+                                   "top_k": 2}  # fmt: skip
+
+
+def test_chat_n2_routes_equal_upstream_inline(front: str, upstream) -> None:
+    _, up_url = upstream
+    body = {"model": "dense-first", "messages": [{"role": "user", "content": "dense first"}],
+            "max_tokens": 6, "n": 2, "temperature": 1.0, "seed": 17}  # fmt: skip
+    client = openai.OpenAI(base_url=front + "/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(
+        **body, extra_body={"ignore_eos": True}, extra_headers={"X-Request-Id": "up-chat"}
+    )
+    body["ignore_eos"] = True
+    assert r.id == "up-chat" and len(r.choices) == 2
+    # The same request straight to vLLM: its inline base64 .npy is the reference.
+    ref = httpx.post(
+        f"{up_url}/v1/chat/completions", json={**body, "return_token_ids": True}, timeout=120
+    ).json()
+    for c, rc in zip(r.choices, ref["choices"], strict=True):
+        h = c.routed_experts
+        assert h["status"] == "stored" and h["route_id"] == f"up-chat-{c.index}"
+        assert h["moe_layers"] == [1, 2, 3]
+        rec = route(front, h["route_id"])
+        assert rec.moe_layers == (1, 2, 3) and rec.num_layers == 4
+        assert rec.token_ids.tolist() == ref["prompt_token_ids"] + rc["token_ids"]
+        arr = np.load(io.BytesIO(base64.b64decode(rc["routed_experts"])))
+        assert arr.shape == (rec.num_tokens - 1, 4, 2)
+        assert not arr[:, 0].any()  # vLLM's dense layer: zeros...
+        assert np.array_equal(rec.experts[:-1], arr[:, 1:])  # ...which the record leaves out
+        assert rec.experts.shape[1] == 3
+        # The response carried a handle, not the array.
+        assert isinstance(h, dict) and len(str(h)) < 1024
+
+
+def test_completion_streaming_through_upstream(front: str) -> None:
+    client = openai.OpenAI(base_url=front + "/v1", api_key="x", max_retries=0)
+    chunks = list(
+        client.completions.create(
+            model="dense-first", prompt="stream via upstream", max_tokens=5, stream=True,
+            extra_body={"ignore_eos": True}, extra_headers={"X-Request-Id": "up-stream"},
+        )
+    )  # fmt: skip
+    fin = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(fin) == 1
+    h = fin[0].model_extra["routed_experts"]
+    assert h["status"] == "stored", h
+    rec = route(front, "up-stream-0")
+    assert rec.completion_len == 5 and rec.moe_layers == (1, 2, 3)
+    assert "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+def test_upstream_errors_are_relayed(front: str) -> None:
+    r = httpx.post(
+        f"{front}/v1/completions",
+        json={"model": "dense-first", "prompt": [5] * 3000, "max_tokens": 1},
+        headers={"X-Request-Id": "up-too-long"}, timeout=60,
+    )  # fmt: skip
+    assert r.status_code == 400
+    assert set(r.json()["error"]) >= {"message", "type"}
+    assert httpx.get(f"{front}/v1/routes/up-too-long-0").status_code == 404
+    r = httpx.post(f"{front}/v1/completions", json={"model": "nope", "prompt": "a"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_upstream_death_is_reported_not_hung(front: str, upstream) -> None:
+    proc, _ = upstream
+    stop(proc)  # last test of the module: the upstream engine is gone
+    t0 = time.monotonic()
+    r = httpx.post(
+        f"{front}/v1/completions",
+        json={"model": "dense-first", "prompt": "anyone there", "max_tokens": 2}, timeout=60,
+    )  # fmt: skip
+    assert time.monotonic() - t0 < 15
+    assert r.status_code == 503 and r.json()["error"]["type"] == "engine_unavailable"
+    ready = httpx.get(f"{front}/ready")
+    assert ready.status_code == 503 and "engine" in ready.json()
