@@ -4,6 +4,9 @@
 of trying to compile Triton for a backend that cannot compile.
 """
 
+# Loaded by Triton's backend discovery (triton.backends.__init__); importing this module before
+# triton.backends is a circular import, so always go through ``triton.backends.backends['cpu']``.
+
 from __future__ import annotations
 
 from triton.backends.compiler import BaseBackend, GPUTarget

@@ -1,5 +1,8 @@
 """Driver half of the interpreter-only ``cpu`` Triton backend (see the package docstring)."""
 
+# Loaded by Triton's backend discovery (triton.backends.__init__); importing this module before
+# triton.backends is a circular import, so always go through ``triton.backends.backends['cpu']``.
+
 from __future__ import annotations
 
 import os
