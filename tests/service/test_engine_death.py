@@ -1,0 +1,86 @@
+"""The in-process engine dying (EngineDeadError) is reported, never hangs, and nothing half-stored.
+
+Uses its own service (the engine is killed), so the session's service is unaffected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ._procs import engine_env, free_port, process, serve_argv
+from .conftest import MODEL_NAME
+
+pytestmark = pytest.mark.vllm
+
+
+def engine_core_pids(parent: int) -> list[int]:
+    """PIDs of vLLM engine-core processes under ``parent`` (by parent pid, from /proc)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"EngineCore" in cmd:
+            out.append(int(d.name))
+    return out
+
+
+def test_engine_death_mid_stream(redis_url: str, tiny_model: Path, tmp_path: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = serve_argv(
+        "--port", str(port), "--redis-url", redis_url, "--model-dir", str(tiny_model.parent),
+        "--route-prefix", "death", "--log-level", "warning",
+    )  # fmt: skip
+    with process(argv, f"{url}/ready", tmp_path / "serve.log", engine_env()) as proc:
+        cores = engine_core_pids(proc.pid)
+        assert cores, "no engine core process found"
+        lines: list[str] = []
+
+        def consume() -> None:
+            with httpx.stream(
+                "POST", f"{url}/v1/completions", timeout=60,
+                json={"model": MODEL_NAME, "prompt": "long one", "max_tokens": 1500,
+                      "ignore_eos": True, "stream": True},
+                headers={"X-Request-Id": "doomed"},
+            ) as r:  # fmt: skip
+                lines.extend(ln for ln in r.iter_lines() if ln)
+
+        t = threading.Thread(target=consume)
+        t.start()
+        deadline = time.monotonic() + 60
+        while len(lines) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(lines) >= 5, "stream did not start"
+        for pid in cores:
+            os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        t.join(timeout=60)
+        assert not t.is_alive(), "stream hung after the engine died"
+        assert time.monotonic() - t0 < 60
+        assert lines[-1] == "data: [DONE]"
+        err = json.loads(lines[-2][len("data: ") :])
+        assert err["error"]["type"] == "engine_unavailable", err
+        # Later requests fail fast with 503; probes say so.
+        r = httpx.post(
+            f"{url}/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2},
+            timeout=30,
+        )  # fmt: skip
+        assert r.status_code == 503 and r.json()["error"]["type"] == "engine_unavailable"
+        assert httpx.get(f"{url}/health").status_code == 503
+        assert httpx.get(f"{url}/ready").status_code == 503
+        # The interrupted choice was never published.
+        assert httpx.get(f"{url}/v1/routes/doomed-0").status_code == 404
