@@ -16,7 +16,7 @@ def moe_layer_pattern(
 
     ``moe_layer_freq`` follows ``TransformerConfig.moe_layer_freq``: an int ``f`` makes layer ``i``
     MoE when ``i % f == 0``; a list of ``num_layers`` 0/1 flags names each layer. ``first_k_dense``
-    additionally makes the first ``k`` layers dense (DeepSeek/Qwen-style "first k dense"). The result
+    additionally makes the first ``k`` layers dense (DeepSeek-style "first k dense"). The result
     is what routes are mapped by: a global layer number, never ``i + offset``.
     """
     if num_layers < 1:

@@ -58,7 +58,9 @@ def check_replay_config(config: Any) -> None:
         )
     for name in dir(config):
         if "quantile" in name and not name.startswith("_") and getattr(config, name, None):
-            problems.append(f"{name}={getattr(config, name)!r} (quantile balancing bypasses replay)")
+            problems.append(
+                f"{name}={getattr(config, name)!r} (quantile balancing bypasses replay)"
+            )
     if problems:
         raise ReplayConfigError("routing replay cannot be exact with: " + "; ".join(problems))
 
@@ -109,7 +111,11 @@ def find_routers(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[Rou
                 raise RouteLayerMismatchError(f"router {name} (chunk {ci}) has no layer_number")
             slots.append(
                 RouterSlot(
-                    int(ln), mod, rr, int(mod.topk), int(mod.config.num_moe_experts),
+                    int(ln),
+                    mod,
+                    rr,
+                    int(mod.topk),
+                    int(mod.config.num_moe_experts),
                     f"chunk{ci}.{name}" if len(chunks) > 1 else name,
                 )
             )
@@ -162,9 +168,7 @@ class RouterReplayer:
         if dtype not in (torch.int64, torch.int32):
             raise TargetShapeError(f"RouterReplay gathers need int64 or int32 targets, not {dtype}")
         self.dtype = dtype
-        self._hooks = [
-            s.router.register_forward_pre_hook(self._make_check(s)) for s in self.slots
-        ]
+        self._hooks = [s.router.register_forward_pre_hook(self._make_check(s)) for s in self.slots]
 
     # -- introspection ----------------------------------------------------------------------------
     @property
@@ -321,7 +325,9 @@ class RouterReplayer:
 
 
 def _compact_dtype(num_experts: int) -> torch.dtype:
-    return torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 32768 else torch.int32
+    return (
+        torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 32768 else torch.int32
+    )
 
 
 class R2Recorder:

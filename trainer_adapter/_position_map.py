@@ -113,7 +113,10 @@ def shared_prefix_sample(
         if diff.size:
             p = int(diff[0])
             raise TokenMismatchError(
-                sample, p, int(ref[p]), int(r.token_ids[p]),
+                sample,
+                p,
+                int(ref[p]),
+                int(r.token_ids[p]),
                 f"record {i}'s prompt differs from record {indices[0]}'s shared prompt",
             )
         n = r.num_tokens - P
@@ -150,7 +153,10 @@ def multi_turn_sample(
         if diff.size:
             p = int(diff[0])
             raise TokenMismatchError(
-                sample, p, int(ref[p]), int(r.token_ids[p]),
+                sample,
+                p,
+                int(ref[p]),
+                int(r.token_ids[p]),
                 f"turn record {i} disagrees with the final turn's record {indices[longest]}",
             )
         take = (rec[:T] == NO_ROUTE) & r.valid
@@ -167,16 +173,16 @@ class PositionMap:
     """Route source of every position of a packed batch, shaped like the trainer's ``input_ids``.
 
     All arrays are ``[B, S]`` (``B = 1`` for THD packing). Megatron's router sees the batch as
-    ``[S, B]`` flattened sequence-major (row ``s * B + b``); :meth:`gather_targets` emits rows in that
-    order.
+    ``[S, B]`` flattened sequence-major (row ``s * B + b``); :func:`gather_targets` emits rows in
+    that order.
 
     Attributes:
         record: int32 — index into the record list, or ``NO_ROUTE``.
         token: int32 — row in that record.
         sample: int32 — sample index (for error messages), ``-1`` for padding.
         offset: int32 — position within its sample, ``-1`` for padding.
-        position: int64 — position in the UNSLICED batch (``b * S_full + s``); fillers are a function
-            of it, so a token gets the same filler experts whatever the parallel layout.
+        position: int64 — position in the UNSLICED batch (``b * S_full + s``); fillers are a
+            function of it, so a token gets the same filler experts whatever the parallel layout.
     """
 
     record: np.ndarray
@@ -227,8 +233,8 @@ class PositionMap:
 
         Megatron scatters the ``[S, B, H]`` hidden states along ``S``: rank ``r`` holds the
         contiguous rows ``[r * S/TP * B, (r+1) * S/TP * B)`` of the sequence-major flattening, i.e.
-        ``s`` in ``[r * S/TP, (r+1) * S/TP)`` for every ``b``. (THD: a contiguous piece of the packed
-        stream; a sequence may be cut at the boundary.)
+        ``s`` in ``[r * S/TP, (r+1) * S/TP)`` for every ``b``. (THD: a contiguous piece of the
+        packed stream; a sequence may be cut at the boundary.)
         """
         if tp_size == 1:
             return self
@@ -277,7 +283,10 @@ class PositionMap:
             j = int(bad[0])
             b, s = (int(x[j]) for x in np.nonzero(mapped))
             raise TokenMismatchError(
-                int(self.sample[b, s]), int(self.offset[b, s]), int(want[j]), int(got[j]),
+                int(self.sample[b, s]),
+                int(self.offset[b, s]),
+                int(want[j]),
+                int(got[j]),
                 f"batch row {b}, packed position {s}, record {int(self.record[b, s])} "
                 f"token {int(self.token[b, s])}",
             )
@@ -402,7 +411,8 @@ def padded_position_map(
 
 def cp_zigzag_index(seq_len: int, cp_size: int, cp_rank: int) -> np.ndarray:
     """Indices along ``S`` that ``megatron.core.utils.get_batch_on_this_cp_rank`` keeps on
-    ``cp_rank``: chunks ``r`` and ``2 * cp_size - 1 - r`` of ``2 * cp_size`` equal chunks (int64)."""
+    ``cp_rank``: chunks ``r`` and ``2 * cp_size - 1 - r`` of ``2 * cp_size`` equal chunks
+    (int64)."""
     if not 0 <= cp_rank < cp_size:
         raise RouteAlignmentError(f"cp_rank={cp_rank} out of range for CP={cp_size}")
     if seq_len % (2 * cp_size):

@@ -147,9 +147,10 @@ def gather_targets(
     layers = tuple(int(x) for x in layers)
     used = np.unique(pmap.record[pmap.record >= 0])
     if num_experts is None or top_k is None:
-        if not used.size:
-            raise RouteLayerMismatchError("no record is used: pass num_experts and top_k")
-        r0 = records[int(used[0])]
+        # From any record, used or not: a rank's slice may be all padding.
+        if not len(records):
+            raise RouteLayerMismatchError("no records given: pass num_experts and top_k")
+        r0 = records[int(used[0])] if used.size else records[0]
         num_experts = r0.num_experts if num_experts is None else num_experts
         top_k = r0.top_k if top_k is None else top_k
     dt = expert_dtype(num_experts)

@@ -16,7 +16,7 @@ __all__ = [
 
 
 class RouteAlignmentError(RouteShapeError):
-    """Records cannot be placed on the trainer's packed batch (lengths, offsets, shapes disagree)."""
+    """Records cannot be placed on the trainer's packed batch (lengths, offsets or shapes)."""
 
 
 class TokenMismatchError(RouteAlignmentError):
@@ -31,7 +31,8 @@ class TokenMismatchError(RouteAlignmentError):
         self.found = found  # the record's token id
         super().__init__(
             f"sample {sample} position {position}: trainer token id {expected} but the route "
-            f"record has {found}" + (f" ({detail})" if detail else "")
+            f"record has {found}"
+            + (f" ({detail})" if detail else "")
             + "; the routes were computed for different tokens (retokenization drift?)"
         )
 

@@ -31,11 +31,11 @@ import os
 import socket
 import sys
 import time
+from typing import ClassVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
-
 
 NUM_LAYERS = 4
 MOE_FREQ = [0, 1, 1, 1]
@@ -91,7 +91,7 @@ class PackedCausalAttention(torch.nn.Module):
     group, masked by true (sequence id, position). Replaces DotProductAttention, which refuses THD
     and context parallel without Transformer Engine. Routing does not depend on it being fast."""
 
-    SEQ: dict = {}  # "seq", "pos": [B, S_local] int tensors of this rank's query rows
+    SEQ: ClassVar[dict] = {}  # "seq", "pos": [B, S_local] int tensors of this rank's query rows
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, *args, **kwargs):
         super().__init__()
@@ -170,8 +170,13 @@ def make_records(seed: int):
         for layer in MOE_LAYERS:
             arr[:, layer] = np.argsort(rng.random((R, E)), axis=1)[:, :K]
         r = RouteRecord.from_engine(
-            arr, tokens, prompt_len=prompt_len, num_experts=E, moe_layers=MOE_LAYERS,
-            num_layers=NUM_LAYERS, model="tiny-moe",
+            arr,
+            tokens,
+            prompt_len=prompt_len,
+            num_experts=E,
+            moe_layers=MOE_LAYERS,
+            num_layers=NUM_LAYERS,
+            model="tiny-moe",
         )
         if invalid_extra:  # rows an engine could not return (e.g. a lost prefix-cache hit)
             r.valid[1 : 1 + invalid_extra] = False
@@ -307,21 +312,39 @@ def build_model(args, device):
     elif args.recompute == "selective":
         rc = dict(recompute_granularity="selective", recompute_modules=["moe"])
     cfg = TransformerConfig(
-        num_layers=NUM_LAYERS, hidden_size=H, num_attention_heads=4, ffn_hidden_size=128,
-        moe_ffn_hidden_size=64, num_moe_experts=E, moe_router_topk=K, moe_layer_freq=MOE_FREQ,
-        moe_enable_routing_replay=True, moe_token_dispatcher_type=args.dispatcher,
-        moe_router_load_balancing_type="none", moe_grouped_gemm=False,
-        tensor_model_parallel_size=args.tp, sequence_parallel=args.sp,
-        context_parallel_size=args.cp, expert_model_parallel_size=args.ep,
-        use_cpu_initialization=device.type == "cpu", params_dtype=torch.float32,
-        pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
-        add_bias_linear=False, **rc,
+        num_layers=NUM_LAYERS,
+        hidden_size=H,
+        num_attention_heads=4,
+        ffn_hidden_size=128,
+        moe_ffn_hidden_size=64,
+        num_moe_experts=E,
+        moe_router_topk=K,
+        moe_layer_freq=MOE_FREQ,
+        moe_enable_routing_replay=True,
+        moe_token_dispatcher_type=args.dispatcher,
+        moe_router_load_balancing_type="none",
+        moe_grouped_gemm=False,
+        tensor_model_parallel_size=args.tp,
+        sequence_parallel=args.sp,
+        context_parallel_size=args.cp,
+        expert_model_parallel_size=args.ep,
+        use_cpu_initialization=device.type == "cpu",
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        add_bias_linear=False,
+        **rc,
     )
     spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
     _patch_spec(spec, {DotProductAttention: PackedCausalAttention, WrappedTorchNorm: SPNorm})
     model = GPTModel(
-        config=cfg, transformer_layer_spec=spec, vocab_size=V, max_sequence_length=256,
-        position_embedding_type="learned_absolute", share_embeddings_and_output_weights=False,
+        config=cfg,
+        transformer_layer_spec=spec,
+        vocab_size=V,
+        max_sequence_length=256,
+        position_embedding_type="learned_absolute",
+        share_embeddings_and_output_weights=False,
     )
     return model.to(device), cfg
 
@@ -364,8 +387,9 @@ def main(argv=None) -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -389,20 +413,25 @@ def main(argv=None) -> int:
     )
 
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=args.tp, context_parallel_size=args.cp,
+        tensor_model_parallel_size=args.tp,
+        context_parallel_size=args.cp,
         expert_model_parallel_size=args.ep,
     )
     kw = {"inference_rng_tracker": True} if device.type == "cpu" else {}
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed, **kw)
     torch.manual_seed(args.seed)
 
-    result: dict = {"rank": rank, "world": dist.get_world_size(), "megatron": megatron.core.__version__,
-                    "args": {k: v for k, v in vars(args).items() if k != "redis_url"}}
+    result: dict = {
+        "rank": rank,
+        "world": dist.get_world_size(),
+        "megatron": megatron.core.__version__,
+        "args": {k: v for k, v in vars(args).items() if k != "redis_url"},
+    }
     if args.extras:  # a stale model: its RouterReplay instances stay in the global list
         RouterReplay.clear_global_router_replay_instances()
         build_model(args, device)
         result["stale_instances_before_build"] = len(RouterReplay.global_router_replay_instances)
-    model, cfg = build_model(args, device)
+    model, _ = build_model(args, device)
     model.train()
     replayer = RouterReplayer(model)
     result["router_layer_numbers"] = [s.layer_number for s in replayer.slots]
@@ -421,8 +450,14 @@ def main(argv=None) -> int:
     for mb in range(2):
         pm, ids, seq, pos, cup = build_batch(args, recs, mb)
         pm.check_tokens(recs, ids)
-        local = pm.local(cp_size=args.cp, cp_rank=cp_rank, tp_size=args.tp, tp_rank=tp_rank,
-                         sequence_parallel=args.sp, cu_seqlens_padded=cup)
+        local = pm.local(
+            cp_size=args.cp,
+            cp_rank=cp_rank,
+            tp_size=args.tp,
+            tp_rank=tp_rank,
+            sequence_parallel=args.sp,
+            cu_seqlens_padded=cup,
+        )
         targets = gather_targets(local, recs, replayer.layers)
         B, S = pm.shape
         rows = megatron_rows(args, B, S, cup)
@@ -432,14 +467,30 @@ def main(argv=None) -> int:
         if args.cp > 1:
             from routereplay.trainer_adapter import cp_zigzag_index, thd_cp_index
 
-            cp_idx = (thd_cp_index(cup, args.cp, cp_rank, total=S) if cup is not None
-                      else cp_zigzag_index(S, args.cp, cp_rank))
-        t = lambda a: torch.from_numpy(np.ascontiguousarray(a[:, cp_idx])).to(device)  # noqa: E731
-        mbs.append(dict(targets=targets, truth=truth, ids=t(ids), seq=t(seq), pos=t(pos),
-                        labels=t(np.roll(ids, -1, 1)), fillers=targets.filler_rows))
+            cp_idx = (
+                thd_cp_index(cup, args.cp, cp_rank, total=S)
+                if cup is not None
+                else cp_zigzag_index(S, args.cp, cp_rank)
+            )
+
+        def t(a, cp_idx=cp_idx):
+            return torch.from_numpy(np.ascontiguousarray(a[:, cp_idx])).to(device)
+
+        mbs.append(
+            dict(
+                targets=targets,
+                truth=truth,
+                ids=t(ids),
+                seq=t(seq),
+                pos=t(pos),
+                labels=t(np.roll(ids, -1, 1)),
+                fillers=targets.filler_rows,
+            )
+        )
         # installed targets must equal the truth: this is the alignment + slicing check
         result.setdefault("targets_equal_truth", []).append(
-            bool(np.array_equal(targets.experts.astype(np.int64), truth)))
+            bool(np.array_equal(targets.experts.astype(np.int64), truth))
+        )
 
     # ---- hooks -----------------------------------------------------------------------------
     state = {"phase": "fwd", "mb": 0}
@@ -458,6 +509,7 @@ def main(argv=None) -> int:
                 st["bad"] += max(got.shape[0], want.shape[0])
             else:
                 st["bad"] += int((got != want).any(1).sum())
+
         return hook
 
     expert_counts: dict = {}
@@ -467,19 +519,27 @@ def main(argv=None) -> int:
             if state["phase"] == "fwd":
                 c = expert_counts.setdefault(layer_number, np.zeros(E, np.int64))
                 c[e] += inputs[0].shape[0]
+
         return hook
 
     handles = [s.router.register_forward_hook(router_hook(s)) for s in replayer.slots]
     for mod in model.modules():
         if hasattr(mod, "router") and hasattr(mod, "local_expert_indices"):
             for j, e in enumerate(mod.local_expert_indices):
-                handles.append(mod.experts.local_experts[j].register_forward_pre_hook(
-                    expert_hook(mod.router.layer_number, e)))
+                handles.append(
+                    mod.experts.local_experts[j].register_forward_pre_hook(
+                        expert_hook(mod.router.layer_number, e)
+                    )
+                )
 
     def forward(mbd):
         PackedCausalAttention.SEQ = {"seq": mbd["seq"], "pos": mbd["pos"]}
-        return model(mbd["ids"], mbd["pos"], torch.ones(1, 1, 1, 1, dtype=torch.bool,
-                     device=device), labels=mbd["labels"])
+        return model(
+            mbd["ids"],
+            mbd["pos"],
+            torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),
+            labels=mbd["labels"],
+        )
 
     # ---- R3: F0 F1 B0 B1 (recompute pops targets FIFO across micro-batches) -------------------
     with replayer.step():
@@ -513,13 +573,18 @@ def main(argv=None) -> int:
                 bad_experts.append([layer + 1, int(e), int(got[e]), int(want_counts[li, e])])
     result["expert_count_mismatches"] = bad_experts
 
-    ok = (all(result["targets_equal_truth"]) and result["router_grads_nonzero"] and not bad_experts
-          and all(st["bad"] == 0 and st["fwd"] > 0 for st in stats.values())
-          and (args.recompute == "none" or all(st["rec"] == st["fwd"] for st in stats.values())))
+    ok = (
+        all(result["targets_equal_truth"])
+        and result["router_grads_nonzero"]
+        and not bad_experts
+        and all(st["bad"] == 0 and st["fwd"] > 0 for st in stats.values())
+        and (args.recompute == "none" or all(st["rec"] == st["fwd"] for st in stats.values()))
+    )
 
     if args.extras:
-        ok &= _extras(args, model, replayer, mbs, forward, state, stats, result, TargetShapeError,
-                      R2Recorder)
+        ok &= _extras(
+            args, model, replayer, mbs, forward, state, stats, result, TargetShapeError, R2Recorder
+        )
     for h in handles:
         h.remove()
     result["ok"] = bool(ok)
@@ -536,8 +601,9 @@ def _owned(model):
             yield mod.router.layer_number, list(mod.local_expert_indices)
 
 
-def _extras(args, model, replayer, mbs, forward, state, stats, result, TargetShapeError,
-            R2Recorder) -> bool:
+def _extras(
+    args, model, replayer, mbs, forward, state, stats, result, TargetShapeError, R2Recorder
+) -> bool:
     """R2 mode, the target-shape check and the bypass refusal."""
     from routereplay.trainer_adapter import ReplayConfigError, check_replay_config
 
@@ -579,8 +645,11 @@ def _extras(args, model, replayer, mbs, forward, state, stats, result, TargetSha
         result["short_target_raises"] = str(e)[:120]
     # Bypassing configurations are refused.
     refused = []
-    for field, val in [("moe_router_fusion", True), ("moe_router_load_balancing_type", "sinkhorn"),
-                       ("moe_expert_capacity_factor", 1.0)]:
+    for field, val in [
+        ("moe_router_fusion", True),
+        ("moe_router_load_balancing_type", "sinkhorn"),
+        ("moe_expert_capacity_factor", 1.0),
+    ]:
         cfg = _cfg_copy(model.config, field, val)
         try:
             check_replay_config(cfg)
