@@ -30,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
         ann = f.annotation
         desc = f.description or ""
         help_ = f"{desc} (env ROUTEREPLAY_{name.upper()})".strip()
-        if ann is bool:
+        if ann in (bool, bool | None):
             p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_)
         elif typing.get_origin(ann) is dict:
             p.add_argument(flag, dest=name, type=json.loads, help=help_ + " [JSON]")

@@ -38,7 +38,9 @@ class Settings(BaseSettings):
     max_model_len: int = 2048
     seed: int = 0
     gpu_memory_utilization: float | None = Field(None, description="default 0.5 on CPU, 0.9 GPU")
-    enforce_eager: bool = True
+    enforce_eager: bool | None = Field(
+        None, description="default: on for CPU, off (CUDA graphs) GPU"
+    )
     tensor_parallel_size: int = 1
     engine_args: dict[str, Any] = Field(
         default_factory=dict, description="extra vLLM AsyncEngineArgs, as JSON"

@@ -64,7 +64,7 @@ class VllmBackend(EngineBackend):
         max_model_len: int = 2048,
         seed: int = 0,
         gpu_memory_utilization: float | None = None,
-        enforce_eager: bool = True,
+        enforce_eager: bool | None = None,
         tensor_parallel_size: int = 1,
         extra_engine_args: dict[str, Any] | None = None,
     ) -> None:
@@ -101,6 +101,9 @@ class VllmBackend(EngineBackend):
         kw = dict(self._kw)
         if kw["gpu_memory_utilization"] is None:
             kw["gpu_memory_utilization"] = 0.5 if cpu else 0.9
+        if kw["enforce_eager"] is None:
+            # On CPU torch.compile costs ~25 s of start-up for little gain on small models.
+            kw["enforce_eager"] = cpu
         args = AsyncEngineArgs(
             model=self.model,
             served_model_name=[self.served_model_name],

@@ -1,0 +1,246 @@
+"""``routereplay bench service``: routereplay vs vLLM's own OpenAI server with inline routes.
+
+One invocation, same tiny model, same engine settings: first vLLM's ``api_server
+--enable-return-routed-experts`` (routes inline as base64 .npy), then ``routereplay serve`` (the
+in-process backend, routes to a private Redis, a handle in the response). Each runs alone on the
+machine, with the same prompts and seeds, at each concurrency level (bounded request counts,
+loopback, httpx). Printed: p50/p95 latency, throughput, response bytes per request, route bytes
+per choice in the response, and the bytes a trainer then fetches for the routes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+__all__ = ["main"]
+
+
+@dataclass
+class Level:
+    server: str
+    concurrency: int
+    latencies: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    response_bytes: int = 0
+    route_bytes_in_response: int = 0
+    completion_tokens: int = 0
+    trainer_bytes: int = 0
+    route_ids: list[str] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.latencies)
+
+    def pct(self, q: float) -> float:
+        return float(np.percentile(self.latencies, q))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _server(argv: list[str], ready: str, log: Path, timeout_s: float = 300) -> Iterator[None]:
+    from .cpu_setup import cpu_engine_env
+
+    env = {**os.environ, **cpu_engine_env()}
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{argv[:4]} exited:\n{log.read_text()[-3000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(ready, timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{argv[:4]} not ready:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _engine_flags(args: argparse.Namespace) -> list[str]:
+    return ["--dtype", "float32", "--max-model-len", str(args.max_model_len), "--seed", "0",
+            "--gpu-memory-utilization", "0.5"]  # fmt: skip
+
+
+async def _run_level(
+    name: str, base: str, model: str, prompts: list[list[int]], conc: int, args: argparse.Namespace
+) -> Level:
+    lv = Level(name, conc)
+    sem = asyncio.Semaphore(conc)
+    limits = httpx.Limits(max_connections=conc + 4, max_keepalive_connections=conc + 4)
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
+
+        async def one(i: int, prompt: list[int]) -> None:
+            body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens,
+                    "temperature": 1.0, "seed": 1000 + i, "ignore_eos": True}  # fmt: skip
+            async with sem:
+                t0 = time.perf_counter()
+                r = await client.post("/v1/completions", json=body)
+                lat = time.perf_counter() - t0
+            r.raise_for_status()
+            data = r.json()
+            lv.latencies.append(lat)
+            lv.response_bytes += len(r.content)
+            lv.completion_tokens += data["usage"]["completion_tokens"]
+            for c in data["choices"]:
+                re = c.get("routed_experts")
+                lv.route_bytes_in_response += len(json.dumps(re)) if re is not None else 0
+                if isinstance(re, dict):
+                    lv.route_ids.append(re["route_id"])
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        lv.wall_s = time.perf_counter() - t0
+        if lv.route_ids:
+            # What a trainer downloads afterwards: the records, one batch request.
+            r = await client.post("/v1/routes:batch", json={"ids": lv.route_ids})
+            r.raise_for_status()
+            lv.trainer_bytes = len(r.content)
+    return lv
+
+
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 1000, size=length).tolist() for _ in range(n)]
+
+
+async def _bench_server(name: str, base: str, model: str, args: argparse.Namespace) -> list[Level]:
+    # Warm-up (first-request costs), then one level at a time; fresh prompts per level so the
+    # prefix cache favours neither server.
+    await _run_level(name, base, model, _prompts(2, args.prompt_tokens, 1), 2, args)
+    out = []
+    for k, (conc, n) in enumerate(zip(args.concurrency, args.requests, strict=True)):
+        out.append(await _run_level(name, base, model, _prompts(n, args.prompt_tokens, 100 + k),
+                                    conc, args))  # fmt: skip
+    return out
+
+
+def _report(levels: list[Level]) -> str:
+    rows = ["server           conc  reqs   p50_s   p95_s   req/s   tok/s  resp_B/req  "
+            "route_B/choice  trainer_B/req"]  # fmt: skip
+    for lv in levels:
+        trainer = lv.trainer_bytes / lv.n if lv.trainer_bytes else lv.route_bytes_in_response / lv.n
+        rows.append(
+            f"{lv.server:15s} {lv.concurrency:5d} {lv.n:5d} {lv.pct(50):7.3f} {lv.pct(95):7.3f} "
+            f"{lv.n / lv.wall_s:7.2f} {lv.completion_tokens / lv.wall_s:7.1f} "
+            f"{lv.response_bytes / lv.n:11.0f} {lv.route_bytes_in_response / lv.n:15.0f} "
+            f"{trainer:14.0f}"
+        )
+    by = {(lv.server, lv.concurrency): lv for lv in levels}
+    rows.append("")
+    rows.append("routereplay / vllm   conc   p50 ratio  p95 ratio  throughput ratio  (targets: "
+                "latency <= 1.05, throughput >= 0.95)")  # fmt: skip
+    for (srv, conc), rr in by.items():
+        if srv != "routereplay" or ("vllm-inline", conc) not in by:
+            continue
+        v = by[("vllm-inline", conc)]
+        rows.append(
+            f"{'':20s} {conc:5d} {rr.pct(50) / v.pct(50):10.3f} {rr.pct(95) / v.pct(95):10.3f} "
+            f"{(rr.n / rr.wall_s) / (v.n / v.wall_s):17.3f}"
+        )
+    rows.append("trainer_B/req: vllm-inline = the base64 routes already in the response; "
+                "routereplay = one POST /v1/routes:batch of all the level's route ids")  # fmt: skip
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="routereplay bench service")
+    p.add_argument("--model", help="model path (default: the tiny Qwen3-MoE, built if missing)")
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[1, 8, 32])  # fmt: skip
+    p.add_argument("--requests", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[8, 32, 64], help="requests per concurrency level")  # fmt: skip
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--only", choices=["vllm", "routereplay"], help="run one server only")
+    p.add_argument("--json", type=Path, help="also write raw numbers here")
+    args = p.parse_args(argv)
+    if len(args.concurrency) != len(args.requests):
+        p.error("--concurrency and --requests need the same number of entries")
+
+    from .local_redis import LocalRedis
+
+    model = args.model
+    if model is None:
+        from .tiny_model import ensure_tiny_model
+
+        model = str(ensure_tiny_model("moe"))
+    name = "bench-model"
+    levels: list[Level] = []
+    with tempfile.TemporaryDirectory(prefix="rr-bench-") as d:
+        if args.only != "routereplay":
+            port = _free_port()
+            argv_v = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                      "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
+                      "--enable-return-routed-experts", "--enable-prefix-caching",
+                      "--enforce-eager", "--disable-uvicorn-access-log",
+                      *_engine_flags(args)]  # fmt: skip
+            print("starting vLLM's OpenAI server (inline routes) ...", flush=True)
+            with _server(argv_v, f"http://127.0.0.1:{port}/v1/models", Path(d) / "vllm.log"):
+                levels += asyncio.run(
+                    _bench_server("vllm-inline", f"http://127.0.0.1:{port}", name, args)
+                )
+        if args.only != "vllm":
+            redis = LocalRedis()
+            url = redis.start()
+            try:
+                port = _free_port()
+                argv_r = [sys.executable, "-m", "routereplay.cli", "serve", "--model", model,
+                          "--served-model-name", name, "--port", str(port), "--redis-url", url,
+                          "--log-level", "warning", *_engine_flags(args)]  # fmt: skip
+                print("starting routereplay serve (in-process vLLM, routes to Redis) ...",
+                      flush=True)  # fmt: skip
+                with _server(argv_r, f"http://127.0.0.1:{port}/ready", Path(d) / "rr.log"):
+                    levels += asyncio.run(
+                        _bench_server("routereplay", f"http://127.0.0.1:{port}", name, args)
+                    )
+            finally:
+                redis.stop()
+    print(f"\nmodel {model}; prompt {args.prompt_tokens} tokens, completion {args.max_tokens} "
+          f"tokens (ignore_eos), float32, enforce-eager, same seeds for both servers")  # fmt: skip
+    print(_report(levels))
+    if args.json:
+        args.json.write_text(json.dumps([
+            {"server": lv.server, "concurrency": lv.concurrency, "n": lv.n,
+             "p50_s": lv.pct(50), "p95_s": lv.pct(95), "wall_s": lv.wall_s,
+             "response_bytes": lv.response_bytes, "trainer_bytes": lv.trainer_bytes,
+             "route_bytes_in_response": lv.route_bytes_in_response,
+             "median_s": statistics.median(lv.latencies)}
+            for lv in levels
+        ], indent=1))  # fmt: skip
+    return 0
