@@ -60,3 +60,30 @@ def test_delete(http: httpx.Client, stored: dict) -> None:
     assert http.get("/v1/routes/retrieval-1-1").status_code == 404
     # The sibling sharing its prefix chunks is intact.
     assert http.get("/v1/routes/retrieval-1-0").status_code == 200
+
+
+def test_routes_client_against_service(service: Service, stored: dict) -> None:
+    from routereplay.client import RouteNotFoundError, RoutesClient
+
+    direct = decode_record(httpx.get(f"{service.url}/v1/routes/retrieval-1-0").content)
+    with RoutesClient(service.url) as rc:
+        rec = rc.get("retrieval-1-0")
+        assert rec == direct
+        assert rc.get("retrieval-1-0", start=4).same_routes(direct.rows(4))
+        many = rc.get_many(["retrieval-1-0", "retrieval-none-0"], missing_ok=True)
+        assert many[0].same_routes(direct) and many[1] is None
+        with pytest.raises(RouteNotFoundError, match="retrieval-none-0"):
+            rc.get("retrieval-none-0")
+        assert rc.delete("retrieval-none-0") is False
+
+
+async def test_async_routes_client_against_service(service: Service, stored: dict) -> None:
+    from routereplay.client import AsyncRoutesClient, RouteNotFoundError
+
+    direct = decode_record(httpx.get(f"{service.url}/v1/routes/retrieval-1-0").content)
+    async with AsyncRoutesClient(service.url) as rc:
+        assert (await rc.get("retrieval-1-0")) == direct
+        (only,) = await rc.get_many(["retrieval-1-0"], start=2)
+        assert only.same_routes(direct.rows(2))
+        with pytest.raises(RouteNotFoundError):
+            await rc.get_many(["retrieval-none-0"])
