@@ -107,11 +107,9 @@ def create_app(
             if store is None:
                 url = settings.redis_url
                 if url is None:
-                    from .local_redis import LocalRedis
+                    from routereplay.client._local_redis import redis_server
 
-                    local = LocalRedis()
-                    url = local.start()
-                    stack.callback(local.stop)
+                    url = stack.enter_context(redis_server())
                     log.info("no Redis configured; started a local redis-server at %s", url)
                 st.store = AsyncRouteStore.from_url(
                     url, prefix=settings.route_prefix, ttl_s=settings.route_ttl_s,

@@ -12,21 +12,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import numpy as np
+
+from routereplay.client._local_redis import free_port, redis_server
+
+from ._procs import server_process
 
 __all__ = ["main"]
 
@@ -49,46 +48,6 @@ class Level:
 
     def pct(self, q: float) -> float:
         return float(np.percentile(self.latencies, q))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _server(argv: list[str], ready: str, log: Path, timeout_s: float = 300) -> Iterator[None]:
-    from .cpu_setup import cpu_engine_env
-
-    env = {**os.environ, **cpu_engine_env()}
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{argv[:4]} exited:\n{log.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(ready, timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{argv[:4]} not ready:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:
@@ -193,8 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     if len(args.concurrency) != len(args.requests):
         p.error("--concurrency and --requests need the same number of entries")
 
-    from .local_redis import LocalRedis
-
     model = args.model
     if model is None:
         from .tiny_model import ensure_tiny_model
@@ -204,33 +161,29 @@ def main(argv: list[str] | None = None) -> int:
     levels: list[Level] = []
     with tempfile.TemporaryDirectory(prefix="rr-bench-") as d:
         if args.only != "routereplay":
-            port = _free_port()
+            port = free_port()
             argv_v = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                       "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
                       "--enable-return-routed-experts", "--enable-prefix-caching",
                       "--enforce-eager", "--disable-uvicorn-access-log",
                       *_engine_flags(args)]  # fmt: skip
             print("starting vLLM's OpenAI server (inline routes) ...", flush=True)
-            with _server(argv_v, f"http://127.0.0.1:{port}/v1/models", Path(d) / "vllm.log"):
+            with server_process(argv_v, f"http://127.0.0.1:{port}/v1/models", Path(d) / "vllm.log"):
                 levels += asyncio.run(
                     _bench_server("vllm-inline", f"http://127.0.0.1:{port}", name, args)
                 )
         if args.only != "vllm":
-            redis = LocalRedis()
-            url = redis.start()
-            try:
-                port = _free_port()
+            with redis_server() as url:
+                port = free_port()
                 argv_r = [sys.executable, "-m", "routereplay.cli", "serve", "--model", model,
                           "--served-model-name", name, "--port", str(port), "--redis-url", url,
                           "--log-level", "warning", *_engine_flags(args)]  # fmt: skip
                 print("starting routereplay serve (in-process vLLM, routes to Redis) ...",
                       flush=True)  # fmt: skip
-                with _server(argv_r, f"http://127.0.0.1:{port}/ready", Path(d) / "rr.log"):
+                with server_process(argv_r, f"http://127.0.0.1:{port}/ready", Path(d) / "rr.log"):
                     levels += asyncio.run(
                         _bench_server("routereplay", f"http://127.0.0.1:{port}", name, args)
                     )
-            finally:
-                redis.stop()
     print(f"\nmodel {model}; prompt {args.prompt_tokens} tokens, completion {args.max_tokens} "
           f"tokens (ignore_eos), float32, enforce-eager, same seeds for both servers")  # fmt: skip
     print(_report(levels))
