@@ -6,13 +6,14 @@ the app's lifespan (a backend or store passed in is used as is and left open).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import msgpack
@@ -80,6 +81,35 @@ def make_backend(settings: Settings) -> EngineBackend:
         tensor_parallel_size=settings.tensor_parallel_size,
         extra_engine_args=settings.engine_args,
     )
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Await ``work`` unless the client disconnects first (then cancel it and return None).
+
+    A cancelled completion closes its engine stream, which aborts the request in the engine:
+    RL clients that time out and retry must not leave orphaned generations behind.
+    """
+
+    async def disconnected() -> None:
+        # The body has been read, so the next ASGI message can only be the disconnect.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
 
 
 class _State:
@@ -216,7 +246,10 @@ def create_app(
                     media_type="text/event-stream",
                     headers=headers,
                 )
-            body = await st.server.complete(greq)
+            body = await _unless_disconnected(request, st.server.complete(greq))
+            if body is None:
+                status = 499  # client closed the request; the engine request was aborted
+                return Response(status_code=499)
             status = 200
             return JSONResponse(body, headers=headers)
         except ServiceError as e:

@@ -76,7 +76,6 @@ class _Choice:
     raw_logprobs: dict[str, Any] | None = None
     text_len: int = 0
     finish: ChoiceFinished | None = None
-    handle: RouteHandle | None = None
 
 
 class CompletionServer:
@@ -115,13 +114,14 @@ class CompletionServer:
         """Capture one finished choice; returns the choice's route fields for the response."""
         ch.finish = fin
         route_id = f"{req.request_id}-{fin.index}"
-        ch.handle = await self.capture.capture(route_id, fin, prompt_ids, req.request_id)
+        handle = await self.capture.capture(route_id, fin, prompt_ids, req.request_id)
         if req.request.return_routed_experts == "inline":
             inline = npy_base64(fin.routed_experts) if fin.routed_experts is not None else None
-            return {"routed_experts": inline, "routed_experts_handle": ch.handle}
-        return {"routed_experts": ch.handle}
+            return {"routed_experts": inline, "routed_experts_handle": handle}
+        return {"routed_experts": handle}
 
     def _usage(self, prompt_ids: list[int], choices: list[_Choice]) -> Usage:
+        """Usage of a finished request (counted once into the token metrics here)."""
         completion = sum(len(c.token_ids) for c in choices)
         cached = max((c.finish.num_cached_tokens for c in choices if c.finish), default=0)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
@@ -248,12 +248,10 @@ class CompletionServer:
                     else:
                         c["text"] = ""
                     yield sse(c)
+            usage = self._usage(prompt_ids, choices)
             if r.include_usage_in_stream:
-                usage = self._usage(prompt_ids, choices).model_dump(mode="json")
-                body = {**base, "choices": [], "usage": usage}
+                body = {**base, "choices": [], "usage": usage.model_dump(mode="json")}
                 yield b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
-            else:
-                self._usage(prompt_ids, choices)
         except ServiceError as e:
             # Headers are gone: the error travels in the stream, as OpenAI-compatible servers do.
             yield b"data: " + json.dumps(e.body()).encode() + b"\n\n"

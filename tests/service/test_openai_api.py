@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 
 import httpx
 import numpy as np
@@ -195,3 +196,33 @@ def test_models_health_ready_metrics(service: Service) -> None:
         assert name in text, name
     stored = [ln for ln in text.splitlines() if ln.startswith("routereplay_routes_stored_total")]
     assert float(stored[0].split()[-1]) >= 1
+
+
+def queue_depth(service: Service) -> float:
+    text = httpx.get(f"{service.url}/metrics").text
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("routereplay_engine_queue_depth ")]
+    return float(line.split()[-1])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_aborts_engine_request(service: Service, stream: bool) -> None:
+    rid = f"gone-{int(stream)}"
+    body = {"model": service.model, "prompt": "never mind", "max_tokens": 1500,
+            "ignore_eos": True, "stream": stream}  # fmt: skip
+    # 1500 tokens take ~30 s here; the client gives up after 2 s.
+    if stream:
+        with httpx.stream("POST", f"{service.v1}/completions", json=body, timeout=30,
+                          headers={"X-Request-Id": rid}) as r:  # fmt: skip
+            t0 = time.monotonic()
+            for _ in r.iter_bytes():
+                if time.monotonic() - t0 > 2:
+                    break  # leaving the block closes the connection mid-stream
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{service.v1}/completions", json=body, timeout=2.0,
+                       headers={"X-Request-Id": rid})  # fmt: skip
+    deadline = time.monotonic() + 10
+    while queue_depth(service) > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert queue_depth(service) == 0, "the abandoned request is still generating"
+    assert httpx.get(f"{service.url}/v1/routes/{rid}-0").status_code == 404
