@@ -75,6 +75,7 @@ class RouterSlot:
         replay: its ``RouterReplay``.
         top_k, num_experts: its routing shape.
         name: module path, for messages.
+        chunk: index of the (virtual pipeline) model chunk holding it.
     """
 
     layer_number: int
@@ -83,6 +84,7 @@ class RouterSlot:
     top_k: int
     num_experts: int
     name: str
+    chunk: int = 0
 
     @property
     def layer(self) -> int:
@@ -117,6 +119,7 @@ def find_routers(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[Rou
                     int(mod.topk),
                     int(mod.config.num_moe_experts),
                     f"chunk{ci}.{name}" if len(chunks) > 1 else name,
+                    ci,
                 )
             )
     slots.sort(key=lambda s: s.layer_number)
@@ -168,6 +171,7 @@ class RouterReplayer:
         if dtype not in (torch.int64, torch.int32):
             raise TargetShapeError(f"RouterReplay gathers need int64 or int32 targets, not {dtype}")
         self.dtype = dtype
+        self._chunks = list(model) if isinstance(model, Sequence) else [model]
         self._hooks = [s.router.register_forward_pre_hook(self._make_check(s)) for s in self.slots]
 
     # -- introspection ----------------------------------------------------------------------------
@@ -209,9 +213,32 @@ class RouterReplayer:
         return hook
 
     # -- installing -------------------------------------------------------------------------------
-    def _per_layer(self, targets: TargetsLike, layers: Sequence[int] | None) -> list[torch.Tensor]:
+    def slots_of(self, model: torch.nn.Module | None = None) -> list[RouterSlot]:
+        """The routers of one model chunk (as passed to ``forward_step``), or all of them.
+
+        With virtual pipeline, ``forward_step`` runs one chunk at a time: installing into the
+        other chunks' routers too would queue extra entries in their recompute FIFOs.
+        """
+        if model is None:
+            if len(self._chunks) > 1:
+                # Installing into every chunk at each forward_step queues extra recompute
+                # entries: recompute then replays another micro-batch's routes (measured).
+                raise ReplayConfigError(
+                    f"the model has {len(self._chunks)} virtual-pipeline chunks: pass the chunk "
+                    "forward_step runs (micro_batch(targets, model=chunk))"
+                )
+            return self.slots
+        for ci, chunk in enumerate(self._chunks):
+            if chunk is model:
+                return [s for s in self.slots if s.chunk == ci]
+        ids = {id(m) for m in model.modules()}
+        return [s for s in self.slots if id(s.router) in ids]
+
+    def _per_layer(
+        self, targets: TargetsLike, layers: Sequence[int] | None, slots: list[RouterSlot]
+    ) -> list[torch.Tensor]:
         dev = self.device
-        want = self.layers
+        want = tuple(s.layer for s in slots)
         if isinstance(targets, ReplayTargets):
             if targets.num_experts != self.slots[0].num_experts:
                 raise RouteLayerMismatchError(
@@ -229,7 +256,7 @@ class RouterReplayer:
                 )
             return [targets[x].to(dev, self.dtype) for x in want]
         if layers is None:
-            layers = want
+            layers = self.layers
         if targets.ndim != 3 or targets.shape[0] != len(layers):
             raise TargetShapeError(
                 f"targets must be [M={len(layers)}, N, K], got {tuple(targets.shape)}"
@@ -250,16 +277,21 @@ class RouterReplayer:
         layers: Sequence[int] | None = None,
         num_tokens: int | None = None,
         check_values: bool = True,
+        model: torch.nn.Module | None = None,
     ) -> None:
-        """Queue one micro-batch's targets into every router (no action change).
+        """Queue one micro-batch's targets into the routers of ``model`` (a VPP chunk; default
+        all of this rank's), without changing their action.
 
         ``targets``: :class:`ReplayTargets` (compact, widened on the device), a ``[M, N, K]`` tensor
         whose layers are ``layers`` (default this rank's), or ``{layer: [N, K] tensor}``. Checks
         top-k, row count (all layers equal, and ``num_tokens`` if given) and the expert range.
         """
-        per = self._per_layer(targets, layers)
+        slots = self.slots_of(model)
+        if not slots:
+            return  # a chunk without MoE layers
+        per = self._per_layer(targets, layers, slots)
         n0 = per[0].shape[0]
-        for s, t in zip(self.slots, per, strict=True):
+        for s, t in zip(slots, per, strict=True):
             if t.ndim != 2 or t.shape[1] != s.top_k:
                 raise TargetShapeError(
                     f"layer {s.layer_number} ({s.name}): target shape {tuple(t.shape)}, expected "
@@ -279,26 +311,35 @@ class RouterReplayer:
                     f"target expert ids span [{lo}, {hi}], expected [0, "
                     f"{self.slots[0].num_experts})"
                 )
-        for s, t in zip(self.slots, per, strict=True):
+        for s, t in zip(slots, per, strict=True):
             s.replay.set_target_indices(t)
 
-    def set_action(self, action: RouterReplayAction | None) -> None:
-        for s in self.slots:
+    def set_action(
+        self, action: RouterReplayAction | None, *, model: torch.nn.Module | None = None
+    ) -> None:
+        """Set (``None``: clear) the replay action of ``model``'s routers (default all)."""
+        for s in self.slots_of(model):
             if action is None:
                 s.replay.clear_router_replay_action()
             else:
                 s.replay.set_router_replay_action(action)
 
     @contextmanager
-    def micro_batch(self, targets: TargetsLike, **kwargs: Any) -> Iterator[None]:
+    def micro_batch(
+        self, targets: TargetsLike, *, model: torch.nn.Module | None = None, **kwargs: Any
+    ) -> Iterator[None]:
         """Replay ``targets`` for the forward inside the block; afterwards switch to
-        REPLAY_BACKWARD so recompute in the (later) backward pops them in FIFO order."""
-        self.set_targets(targets, **kwargs)
-        self.set_action(RouterReplayAction.REPLAY_FORWARD)
+        REPLAY_BACKWARD so recompute in the (later) backward pops them in FIFO order.
+
+        ``model``: the chunk ``forward_step`` was called with (required with virtual pipeline,
+        where each call runs one chunk); ``targets`` may cover more layers than it holds.
+        """
+        self.set_targets(targets, model=model, **kwargs)
+        self.set_action(RouterReplayAction.REPLAY_FORWARD, model=model)
         try:
             yield
         finally:
-            self.set_action(RouterReplayAction.REPLAY_BACKWARD)
+            self.set_action(RouterReplayAction.REPLAY_BACKWARD, model=model)
 
     def clear(self) -> None:
         """Drop all queued targets, recorded indices and actions (routers route normally)."""
@@ -338,46 +379,63 @@ class R2Recorder:
 
         r2 = R2Recorder(replayer)
         for i, mb in enumerate(micro_batches):         # old-logprob pass (no grad)
-            with r2.record(i):
+            with r2.record(i):                         # with VPP: r2.record(i, model=chunk)
                 model(...)
         with replayer.step():
             for i, mb in enumerate(micro_batches):     # update
-                with r2.replay(i):
+                with r2.replay(i):                     # with VPP: r2.replay(i, model=chunk)
                     model(...)
         r2.clear()
     """
 
     def __init__(self, replayer: RouterReplayer) -> None:
         self.replayer = replayer
-        self._recorded: dict[Any, torch.Tensor] = {}
+        self._recorded: dict[tuple[Any, int | None], tuple[tuple[int, ...], torch.Tensor]] = {}
+
+    def _key(self, key: Any, model: torch.nn.Module | None) -> tuple[Any, int | None]:
+        if model is None:
+            return (key, None)
+        slots = self.replayer.slots_of(model)
+        return (key, slots[0].chunk if slots else -1)
 
     @contextmanager
-    def record(self, key: Any) -> Iterator[None]:
-        """Record this rank's routes of the forward inside the block under ``key``."""
+    def record(self, key: Any, *, model: torch.nn.Module | None = None) -> Iterator[None]:
+        """Record the routes of ``model``'s routers (default all) in the forward inside the
+        block, under ``key``."""
         rp = self.replayer
-        rp.set_action(RouterReplayAction.RECORD)
-        for s in rp.slots:
+        slots = rp.slots_of(model)
+        rp.set_action(RouterReplayAction.RECORD, model=model)
+        for s in slots:
             s.replay.recorded_topk_idx = None
         try:
             yield
         finally:
-            rp.set_action(None)
+            rp.set_action(None, model=model)
         rows = []
-        for s in rp.slots:
+        for s in slots:
             t = s.replay.get_recorded_indices()
             if t is None:
                 raise TargetShapeError(f"layer {s.layer_number} ({s.name}) recorded nothing")
+            # Compact on the device: 1-2 bytes per id instead of 8 until the replay.
             rows.append(t.detach().to(_compact_dtype(s.num_experts)))
-        self._recorded[key] = torch.stack(rows)
+        if rows:
+            layers = tuple(s.layer for s in slots)
+            self._recorded[self._key(key, model)] = (layers, torch.stack(rows))
 
-    def recorded(self, key: Any) -> torch.Tensor:
-        """``[M, N, K]`` compact (uint8/int16) routes recorded under ``key``, layers =
-        ``replayer.layers``."""
-        return self._recorded[key]
+    def recorded(self, key: Any, *, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """``[M, N, K]`` compact (uint8/int16) routes recorded under ``key``; layers are the
+        recorded routers' (``replayer.layers`` when no chunk was given)."""
+        return self._recorded[self._key(key, model)][1]
 
     @contextmanager
-    def replay(self, key: Any) -> Iterator[None]:
-        with self.replayer.micro_batch(self._recorded[key], check_values=False):
+    def replay(self, key: Any, *, model: torch.nn.Module | None = None) -> Iterator[None]:
+        """Replay what :meth:`record` captured under ``key`` (same ``model`` chunk)."""
+        k = self._key(key, model)
+        if k not in self._recorded and not self.replayer.slots_of(model):
+            yield  # a chunk without MoE layers
+            return
+        layers, t = self._recorded[k]
+        with self.replayer.micro_batch(t, layers=layers, model=model, check_values=False):
             yield
 
     def clear(self) -> None:

@@ -51,6 +51,23 @@ H = 64
 # ---------------------------------------------------------------------------------------------
 # test-only shims and modules
 # ---------------------------------------------------------------------------------------------
+def _cpu_pipeline_shims() -> None:
+    """Megatron's schedules allocate a token counter with device="cuda"."""
+    from megatron.core.pipeline_parallel import schedules
+
+    class _Torch:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def zeros(*a, **k):
+            if k.get("device") == "cuda":
+                k["device"] = "cpu"
+            return torch.zeros(*a, **k)
+
+    schedules.torch = _Torch()
+
+
 def _cpu_shims() -> None:
     """Let megatron-core run a full MoE model on CPU (see the notes): Router.gating moves weights
     to torch.cuda.current_device(); 0.16 names te_general_gemm without TE; recompute saves the
@@ -239,7 +256,11 @@ def build_batch(args, recs, mb: int):
     from routereplay.trainer_adapter import padded_position_map, thd_position_map
 
     samples, tokens = sample_maps(recs)
-    if mb % 2:  # second micro-batch: another order, so rows differ between micro-batches
+    # Every micro-batch packs the samples in another order (rotated, reversed on odd ones), so
+    # replaying micro-batch i's targets for micro-batch j != i shows up as wrong rows.
+    r = mb % len(samples)
+    samples, tokens = samples[r:] + samples[:r], tokens[r:] + tokens[:r]
+    if (mb // len(samples)) % 2:
         samples, tokens = samples[::-1], tokens[::-1]
     mult = 2 * args.cp * args.tp
     if args.layout == "thd":
@@ -299,7 +320,9 @@ def megatron_rows(args, B: int, S: int, cup) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # model
 # ---------------------------------------------------------------------------------------------
-def build_model(args, device):
+def build_model(args, device) -> list:
+    """This rank's model chunks (one per virtual pipeline stage)."""
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer import TransformerConfig
@@ -328,6 +351,9 @@ def build_model(args, device):
         sequence_parallel=args.sp,
         context_parallel_size=args.cp,
         expert_model_parallel_size=args.ep,
+        pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=args.vpp if args.vpp > 1 else None,
+        batch_p2p_sync=False,
         use_cpu_initialization=device.type == "cpu",
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
@@ -336,17 +362,25 @@ def build_model(args, device):
         add_bias_linear=False,
         **rc,
     )
-    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
-    _patch_spec(spec, {DotProductAttention: PackedCausalAttention, WrappedTorchNorm: SPNorm})
-    model = GPTModel(
-        config=cfg,
-        transformer_layer_spec=spec,
-        vocab_size=V,
-        max_sequence_length=256,
-        position_embedding_type="learned_absolute",
-        share_embeddings_and_output_weights=False,
-    )
-    return model.to(device), cfg
+    chunks = []
+    for vp in range(args.vpp):
+        vp_stage = vp if args.vpp > 1 else None
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, vp_stage=vp_stage)
+        _patch_spec(spec, {DotProductAttention: PackedCausalAttention, WrappedTorchNorm: SPNorm})
+        kw = {"vp_stage": vp_stage} if args.vpp > 1 else {}
+        model = GPTModel(
+            config=cfg,
+            transformer_layer_spec=spec,
+            vocab_size=V,
+            max_sequence_length=256,
+            position_embedding_type="learned_absolute",
+            share_embeddings_and_output_weights=False,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            **kw,
+        )
+        chunks.append(model.to(device))
+    return chunks
 
 
 def fetch_records(args, recs):
@@ -373,6 +407,9 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--cp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=1, help="model chunks per pipeline stage")
+    p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--sp", action="store_true")
     p.add_argument("--dispatcher", default="allgather", choices=["allgather", "alltoall"])
     p.add_argument("--recompute", default="full", choices=["none", "full", "selective"])
@@ -398,6 +435,8 @@ def main(argv=None) -> int:
     else:
         _cpu_shims()
         dist.init_process_group("gloo")
+        if args.pp > 1:
+            _cpu_pipeline_shims()
     rank = dist.get_rank()
 
     import megatron.core
@@ -416,6 +455,8 @@ def main(argv=None) -> int:
         tensor_model_parallel_size=args.tp,
         context_parallel_size=args.cp,
         expert_model_parallel_size=args.ep,
+        pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=args.vpp if args.vpp > 1 else None,
     )
     kw = {"inference_rng_tracker": True} if device.type == "cpu" else {}
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed, **kw)
@@ -431,12 +472,15 @@ def main(argv=None) -> int:
         RouterReplay.clear_global_router_replay_instances()
         build_model(args, device)
         result["stale_instances_before_build"] = len(RouterReplay.global_router_replay_instances)
-    model, _ = build_model(args, device)
-    model.train()
-    replayer = RouterReplayer(model)
+    chunks = build_model(args, device)
+    for c in chunks:
+        c.train()
+    model = chunks[0]
+    replayer = RouterReplayer(chunks)
     result["router_layer_numbers"] = [s.layer_number for s in replayer.slots]
+    result["router_chunks"] = [s.chunk for s in replayer.slots]
     result["global_instances"] = len(RouterReplay.global_router_replay_instances)
-    assert replayer.layers == MOE_LAYERS, replayer.layers
+    mine = [MOE_LAYERS.index(x) for x in replayer.layers]  # this rank's rows of the truth
 
     dp_rank = ps.get_data_parallel_rank()
     recs = make_records(args.seed + 1000 * dp_rank)  # each data-parallel replica its own data
@@ -447,7 +491,7 @@ def main(argv=None) -> int:
     cp_rank = ps.get_context_parallel_rank()
     tp_rank = ps.get_tensor_model_parallel_rank()
     mbs = []
-    for mb in range(2):
+    for mb in range(args.micro_batches):
         pm, ids, seq, pos, cup = build_batch(args, recs, mb)
         pm.check_tokens(recs, ids)
         local = pm.local(
@@ -461,7 +505,7 @@ def main(argv=None) -> int:
         targets = gather_targets(local, recs, replayer.layers)
         B, S = pm.shape
         rows = megatron_rows(args, B, S, cup)
-        truth = truth_experts(pm, recs)[:, rows]  # [M, N_local, K]
+        truth = truth_experts(pm, recs)[:, rows]  # [M_all, N_local, K]
         # the model's inputs, sharded for CP as Megatron shards them (rows of the [B, S] batch)
         cp_idx = np.arange(S)
         if args.cp > 1:
@@ -489,22 +533,31 @@ def main(argv=None) -> int:
         )
         # installed targets must equal the truth: this is the alignment + slicing check
         result.setdefault("targets_equal_truth", []).append(
-            bool(np.array_equal(targets.experts.astype(np.int64), truth))
+            bool(np.array_equal(targets.experts.astype(np.int64), truth[mine]))
         )
 
-    # ---- hooks -----------------------------------------------------------------------------
-    state = {"phase": "fwd", "mb": 0}
+    # ---- hooks: the k-th forward (recompute) of a router is micro-batch k's ----------------
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction as A
+
     stats: dict = {}
+    slot_of = {s.layer_number: s for s in replayer.slots}
 
     def router_hook(slot):
         def hook(mod, inputs, output):
-            routing_map = output[1]
-            exp = mbs[state["mb"]]["truth"][MOE_LAYERS.index(slot.layer)]
+            act = slot.replay.router_replay_action
+            if act not in (A.REPLAY_FORWARD, A.REPLAY_BACKWARD):
+                return
+            phase = "fwd" if act == A.REPLAY_FORWARD else "rec"
+            st = stats.setdefault(
+                slot.layer_number, {"fwd": 0, "rec": 0, "bad": 0, "calls_fwd": 0, "calls_rec": 0}
+            )
+            mb = st["calls_" + phase]
+            st["calls_" + phase] += 1
+            exp = mbs[mb]["truth"][MOE_LAYERS.index(slot.layer)]
             want = torch.zeros(exp.shape[0], E, dtype=torch.bool)
             want.scatter_(1, torch.from_numpy(exp), True)
-            got = routing_map.detach().cpu()
-            st = stats.setdefault(slot.layer_number, {"fwd": 0, "rec": 0, "bad": 0})
-            st[state["phase"]] += got.shape[0]
+            got = output[1].detach().cpu()  # routing_map [N, E]
+            st[phase] += got.shape[0]
             if got.shape != want.shape:
                 st["bad"] += max(got.shape[0], want.shape[0])
             else:
@@ -516,41 +569,68 @@ def main(argv=None) -> int:
 
     def expert_hook(layer_number, e):
         def hook(mod, inputs):
-            if state["phase"] == "fwd":
+            if slot_of[layer_number].replay.router_replay_action == A.REPLAY_FORWARD:
                 c = expert_counts.setdefault(layer_number, np.zeros(E, np.int64))
                 c[e] += inputs[0].shape[0]
 
         return hook
 
     handles = [s.router.register_forward_hook(router_hook(s)) for s in replayer.slots]
-    for mod in model.modules():
-        if hasattr(mod, "router") and hasattr(mod, "local_expert_indices"):
-            for j, e in enumerate(mod.local_expert_indices):
-                handles.append(
-                    mod.experts.local_experts[j].register_forward_pre_hook(
-                        expert_hook(mod.router.layer_number, e)
-                    )
-                )
+    for lm, mod in _moe_layers(chunks):
+        for j, e in enumerate(mod.local_expert_indices):
+            handles.append(
+                mod.experts.local_experts[j].register_forward_pre_hook(expert_hook(lm, e))
+            )
 
-    def forward(mbd):
+    def forward(mbd, chunk=model):
         PackedCausalAttention.SEQ = {"seq": mbd["seq"], "pos": mbd["pos"]}
-        return model(
+        return chunk(
             mbd["ids"],
             mbd["pos"],
             torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),
             labels=mbd["labels"],
         )
 
-    # ---- R3: F0 F1 B0 B1 (recompute pops targets FIFO across micro-batches) -------------------
-    with replayer.step():
-        losses = []
-        for i, mbd in enumerate(mbs):
-            state.update(phase="fwd", mb=i)
-            with replayer.micro_batch(mbd["targets"]):
-                losses.append(forward(mbd).sum())
-        for i, loss in enumerate(losses):
-            state.update(phase="rec", mb=i)
-            loss.backward()
+    if args.pp == 1:
+        # ---- R3: F0 F1 .. B0 B1 .. (recompute pops targets FIFO across micro-batches) --------
+        with replayer.step():
+            losses = []
+            for mbd in mbs:
+                with replayer.micro_batch(mbd["targets"]):
+                    losses.append(forward(mbd).sum())
+            for loss in losses:
+                loss.backward()
+    else:
+        # ---- R3 under Megatron's own pipeline schedule (1F1B, or interleaved with VPP) --------
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, chunk):
+            mbd = next(data_iterator)
+            with replayer.micro_batch(mbd["targets"], model=chunk):  # the integration
+                out = forward(mbd, chunk)
+            return out, lambda o: (o.sum(), {"loss": o.sum().detach()})
+
+        B, S = mbs[0]["ids"].shape
+        with replayer.step():
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=[iter(mbs) for _ in chunks] if args.vpp > 1 else iter(mbs),
+                model=chunks if args.vpp > 1 else chunks[0],
+                num_microbatches=len(mbs),
+                seq_length=S,
+                micro_batch_size=B,
+                forward_only=False,
+            )
+    if args.vpp > 1:  # without the chunk, installing is refused (it would misalign recompute)
+        from routereplay.trainer_adapter import ReplayConfigError
+
+        try:
+            with replayer.micro_batch(mbs[0]["targets"]):
+                pass
+            result["vpp_requires_chunk"] = False
+        except ReplayConfigError:
+            result["vpp_requires_chunk"] = True
+        replayer.clear()
     grads = [s.router.weight.grad for s in replayer.slots]
     result["router_grads_nonzero"] = all(g is not None and bool(g.abs().sum() > 0) for g in grads)
     result["router_rows"] = stats
@@ -567,7 +647,12 @@ def main(argv=None) -> int:
     bad_experts = []
     for li, layer in enumerate(MOE_LAYERS):
         got = expert_counts.get(layer + 1, np.zeros(E, np.int64))
-        owned = {e for lm, idx in _owned(model) if lm == layer + 1 for e in idx}
+        owned = {
+            e
+            for lm, mod in _moe_layers(chunks)
+            if lm == layer + 1
+            for e in mod.local_expert_indices
+        }
         for e in sorted(owned):
             if got[e] != want_counts[li, e]:
                 bad_experts.append([layer + 1, int(e), int(got[e]), int(want_counts[li, e])])
@@ -579,11 +664,12 @@ def main(argv=None) -> int:
         and not bad_experts
         and all(st["bad"] == 0 and st["fwd"] > 0 for st in stats.values())
         and (args.recompute == "none" or all(st["rec"] == st["fwd"] for st in stats.values()))
+        and result.get("vpp_requires_chunk", True)
     )
 
-    if args.extras:
+    if args.extras and args.pp == 1:
         ok &= _extras(
-            args, model, replayer, mbs, forward, state, stats, result, TargetShapeError, R2Recorder
+            args, model, replayer, mbs, forward, stats, result, TargetShapeError, R2Recorder
         )
     for h in handles:
         h.remove()
@@ -595,14 +681,16 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
-def _owned(model):
-    for mod in model.modules():
-        if hasattr(mod, "router") and hasattr(mod, "local_expert_indices"):
-            yield mod.router.layer_number, list(mod.local_expert_indices)
+def _moe_layers(chunks):
+    """(global layer number, MoELayer) of every MoE layer of this rank."""
+    for chunk in chunks:
+        for mod in chunk.modules():
+            if hasattr(mod, "router") and hasattr(mod, "local_expert_indices"):
+                yield mod.router.layer_number, mod
 
 
 def _extras(
-    args, model, replayer, mbs, forward, state, stats, result, TargetShapeError, R2Recorder
+    args, model, replayer, mbs, forward, stats, result, TargetShapeError, R2Recorder
 ) -> bool:
     """R2 mode, the target-shape check and the bypass refusal."""
     from routereplay.trainer_adapter import ReplayConfigError, check_replay_config
@@ -621,10 +709,8 @@ def _extras(
         mbs[i] = {**mbs[i], "truth": rec}
     with replayer.step():
         for i, mbd in enumerate(mbs):
-            state.update(phase="fwd", mb=i)
             with r2.replay(i):
                 new = forward(mbd)
-            state.update(phase="rec", mb=i)
             new.sum().backward()
             ok &= bool(torch.equal(new.detach(), old[i]))
     r2_ok = all(st["bad"] == 0 and st["fwd"] > 0 for st in stats.values())
@@ -637,7 +723,6 @@ def _extras(
     short = type(t)(t.layers, t.experts[:, :-1], t.num_experts)
     try:
         with replayer.step(), replayer.micro_batch(short):
-            state.update(phase="fwd", mb=0)
             forward(mbs[0])
         result["short_target_raises"] = False
         ok = False

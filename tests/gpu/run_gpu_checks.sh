@@ -30,8 +30,9 @@ finish() {
   [ -n "${OUT:-}" ] && tar czf "$OUT/gpu-logs.tgz" -C /tmp rr-gpu-logs
   exit $fail
 }
-run() {  # name nproc args...
+run() {  # name nproc args...   (ONLY=regex runs a subset)
   local name=$1 n=$2; shift 2
+  [[ -z "${ONLY:-}" || "$name" =~ $ONLY ]] || return 0
   local t0=$(date +%s.%N)
   if [ "$n" = 1 ]; then
     python3 tests/gpu/replay_check.py --device $DEV "$@" >"$LOGS/$name.log" 2>&1
@@ -42,15 +43,7 @@ run() {  # name nproc args...
   local rc=$?
   [ $rc = 0 ] || fail=1
   printf '%-28s rc=%s %5.1fs  %s\n' "$name" "$rc" "$(awk "BEGIN{print $(date +%s.%N) - $t0}")" "$*"
-  grep -h '^RESULT' "$LOGS/$name.log" | python3 -c '
-import json, sys
-for line in sys.stdin:
-    r = json.loads(line[7:])
-    rows = {k: (v["fwd"], v["rec"], v["bad"]) for k, v in r["router_rows"].items()}
-    print("   rank", r["rank"], "ok", r["ok"], "targets==truth", r["targets_equal_truth"],
-          "rows(fwd,rec,bad)", rows, "fillers", r["filler_rows"],
-          "expert_mismatch", r["expert_count_mismatches"], {k: r[k] for k in ("r2",
-          "short_target_raises", "refused", "stale_instances_before_build") if k in r})'
+  python3 tests/gpu/summarize.py <"$LOGS/$name.log"
   [ $rc = 0 ] || tail -n 25 "$LOGS/$name.log"
 }
 run gpu1_thd_full_extras     1 --recompute full --extras
@@ -58,8 +51,11 @@ run gpu1_thd_selective       1 --recompute selective
 run gpu1_padded_left         1 --layout padded-left
 run gpu2_tp2_sp_thd          2 --tp 2 --sp
 run gpu2_tp2_sp_padded       2 --tp 2 --sp --layout padded --recompute selective
+run gpu2_cp2_thd             2 --cp 2
+run gpu2_pp2_1f1b            2 --pp 2 --micro-batches 4
+run gpu2_pp2_vpp2_selective  2 --pp 2 --vpp 2 --micro-batches 4 --recompute selective
+run gpu2_pp2_vpp2_padded     2 --pp 2 --vpp 2 --micro-batches 4 --layout padded
 [ "$DEV" = cuda ] || { echo "CPU rehearsal: alltoall needs CUDA streams, skipped"; finish; }
 run gpu2_ep2_alltoall_thd    2 --ep 2 --dispatcher alltoall
 run gpu2_ep2_alltoall_sel    2 --ep 2 --dispatcher alltoall --recompute selective --layout padded
-run gpu2_cp2_thd             2 --cp 2
 finish
