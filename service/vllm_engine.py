@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -50,6 +51,47 @@ def on_cpu_host() -> bool:
         return not torch.cuda.is_available()
     except Exception:
         return True
+
+
+async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    yield first
+    async for x in rest:
+        yield x
+
+
+def _client_error(e: Exception, request: Any) -> InvalidRequestError:
+    """A vLLM validation error as a 400 naming the field.
+
+    vLLM sets ``parameter`` on some errors only; its messages start with the field's name
+    ("n must be 1 when using greedy sampling"), so that is the fallback.
+    """
+    param = getattr(e, "parameter", None)
+    if param is None:
+        m = re.match(r"\s*(\w+)\b", str(e))
+        if m and m.group(1) in type(request).model_fields:
+            param = m.group(1)
+    msg = str(e)
+    if param and not msg.startswith(param):
+        msg = f"{param}: {msg}"
+    return InvalidRequestError(msg, param=param)
+
+
+def _refuse_unsupported(raw: dict[str, Any]) -> None:
+    """400 for OpenAI features this backend would otherwise silently ignore."""
+    rf = raw.get("response_format")
+    unsupported = {
+        "tools": bool(raw.get("tools")),
+        "functions": bool(raw.get("functions")),
+        "tool_choice": raw.get("tool_choice") not in (None, "none"),
+        "response_format": isinstance(rf, dict) and rf.get("type") not in (None, "text"),
+    }
+    for field, present in unsupported.items():
+        if present:
+            raise InvalidRequestError(
+                f"{field} is not supported by the in-process backend (use backend=upstream "
+                "in front of a vLLM server configured for it)",
+                param=field,
+            )
 
 
 class VllmBackend(EngineBackend):
@@ -153,6 +195,7 @@ class VllmBackend(EngineBackend):
     # -- request path ------------------------------------------------------------------------------
     def _sampling_params(self, req: GenerationRequest, prompt_len: int) -> Any:
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
         r = req.request
@@ -183,8 +226,8 @@ class VllmBackend(EngineBackend):
                 output_kind=RequestOutputKind.DELTA,
                 **kw,
             )
-        except ValueError as e:
-            raise InvalidRequestError(str(e), param=getattr(e, "parameter", None)) from e
+        except (VLLMClientError, ValueError) as e:
+            raise _client_error(e, r) from e
 
     async def _render(self, req: GenerationRequest) -> Any:
         from vllm.exceptions import VLLMValidationError
@@ -210,10 +253,12 @@ class VllmBackend(EngineBackend):
         return prompts[0]
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[EngineEvent]:
+        from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
         if self.dead:
             raise EngineUnavailableError("engine is dead", code="engine_dead")
+        _refuse_unsupported(req.raw)
         prompt = await self._render(req)
         prompt_ids = list(prompt["prompt_token_ids"])
         field = "messages" if req.kind == "chat" else "prompt"
@@ -225,6 +270,18 @@ class VllmBackend(EngineBackend):
             )
         params = self._sampling_params(req, len(prompt_ids))
         n = params.n
+        outputs = self.engine.generate(prompt, params, req.engine_request_id)
+        # The engine validates some parameters only on submit (e.g. n > 1 with greedy sampling):
+        # wait for its first output so those are client errors too, raised before any event.
+        try:
+            first = await anext(outputs)
+        except (VLLMClientError, ValueError) as e:
+            await outputs.aclose()
+            raise _client_error(e, req.request) from e
+        except EngineDeadError as e:
+            raise EngineUnavailableError("the vLLM engine is dead", code="engine_dead") from e
+        except StopAsyncIteration as e:
+            raise EngineUnavailableError("engine produced no output", code="engine_error") from e
         yield PromptRendered(prompt_token_ids=prompt_ids)
 
         out_ids: list[list[int]] = [[] for _ in range(n)]
@@ -234,7 +291,7 @@ class VllmBackend(EngineBackend):
         done: set[int] = set()
         num_logprobs = params.logprobs
         try:
-            async for out in self.engine.generate(prompt, params, req.engine_request_id):
+            async for out in _chain(first, outputs):
                 for o in out.outputs:
                     i = o.index
                     if i in done:
@@ -266,6 +323,9 @@ class VllmBackend(EngineBackend):
             ) from e
         except EngineGenerateError as e:
             raise EngineUnavailableError(f"engine error: {e}", code="engine_error") from e
+        finally:
+            # Closing an unfinished vLLM stream aborts the request in the engine.
+            await outputs.aclose()
 
     @staticmethod
     def _finished(o: Any, out_ids: list[int], num_cached: int | None) -> ChoiceFinished:

@@ -105,6 +105,23 @@ class TestBadInput:
     def test_temperature_out_of_range(self, http: httpx.Client, service: Service) -> None:
         err(chat(http, service, "bad-temp", temperature=7), 400, "temperature")
 
+    def test_greedy_with_n2(self, http: httpx.Client, service: Service) -> None:
+        # vLLM checks this only when the request reaches the engine: still a 400, before any body.
+        for stream in (False, True):
+            r = chat(http, service, f"bad-greedy-n2-{stream}", n=2, temperature=0, stream=stream)
+            e = err(r, 400, "n")
+            assert "greedy" in e["message"]
+
+    @pytest.mark.parametrize(
+        ("field", "value"),
+        [("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+         ("tool_choice", "required"), ("response_format", {"type": "json_object"})],
+    )  # fmt: skip
+    def test_unsupported_features_refused(
+        self, http: httpx.Client, service: Service, field: str, value: object
+    ) -> None:
+        err(chat(http, service, f"bad-{field}", **{field: value}), 400, field)
+
     def test_echo_unsupported(self, http: httpx.Client, service: Service) -> None:
         r = http.post("/v1/completions", json={"model": service.model, "prompt": "a", "echo": True})
         err(r, 400, "echo")
