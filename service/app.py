@@ -179,36 +179,34 @@ def create_app(
 
     # -- completions ------------------------------------------------------------------------------
     async def _parse(request: Request, model_cls: type) -> tuple[Any, dict[str, Any]]:
-        body = await request.body()
+        """Body -> (validated model, raw dict); 400 naming the field on any problem."""
         try:
-            raw = json.loads(body)
+            raw = json.loads(await request.body())
         except ValueError as e:
             raise InvalidRequestError(f"request body is not valid JSON: {e}", param="body") from e
         if not isinstance(raw, dict):
             raise InvalidRequestError("request body must be a JSON object", param="body")
         try:
-            parsed = model_cls.model_validate(raw)
+            return model_cls.model_validate(raw), raw
         except ValidationError as e:
             err = e.errors()[0]
             param = ".".join(str(p) for p in err["loc"]) or None
             raise InvalidRequestError(f"{param}: {err['msg']}", param=param) from e
-        if parsed.model != st.backend.info.name:
+
+    async def _parse_completion(request: Request, model_cls: type) -> tuple[Any, dict[str, Any]]:
+        parsed, raw = await _parse(request, model_cls)
+        info = st.backend.info
+        if parsed.model != info.name:
             raise NotFoundError(
-                f"model {parsed.model!r} does not exist; this server serves "
-                f"{st.backend.info.name!r}",
+                f"model {parsed.model!r} does not exist; this server serves {info.name!r}",
                 param="model",
                 code="model_not_found",
             )
         rt = parsed.requested_max_tokens
-        if rt is not None and rt > st.backend.info.max_model_len:
-            field = (
-                "max_tokens"
-                if getattr(parsed, "max_tokens", None) == rt
-                else ("max_completion_tokens")
-            )
+        if rt is not None and rt > info.max_model_len:
+            field = parsed.max_tokens_field
             raise InvalidRequestError(
-                f"{field}={rt} exceeds the model's context of "
-                f"{st.backend.info.max_model_len} tokens",
+                f"{field}={rt} exceeds the model's context of {info.max_model_len} tokens",
                 param=field,
             )
         return parsed, raw
@@ -225,13 +223,25 @@ def create_app(
             )
         return rid
 
+    def _done(endpoint: str, t0: float, status: int) -> None:
+        metrics.inflight.dec()
+        metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        metrics.latency.labels(endpoint=endpoint).observe(time.perf_counter() - t0)
+
+    async def _measured(body: AsyncIterator[bytes], endpoint: str, t0: float):
+        # A stream's request ends with its last chunk, not when the handler returns.
+        try:
+            async for chunk in body:
+                yield chunk
+        finally:
+            _done(endpoint, t0, 200)
+
     async def _serve(request: Request, kind: str, model_cls: type, endpoint: str) -> Response:
         t0 = time.perf_counter()
-        status = 500
         metrics.inflight.inc()
         try:
             rid = _request_id(request, "chatcmpl" if kind == "chat" else "cmpl")
-            parsed, raw = await _parse(request, model_cls)
+            parsed, raw = await _parse_completion(request, model_cls)
             greq = GenerationRequest(
                 kind=kind, request=parsed, request_id=rid,
                 # Unique per call: vLLM aborts by id, and a client may reuse its X-Request-Id.
@@ -240,25 +250,23 @@ def create_app(
             headers = {"X-Request-Id": rid}
             if parsed.stream:
                 prompt_ids, events = await st.server.open(greq)
-                status = 200
+                body = st.server.stream(greq, prompt_ids, events)
                 return StreamingResponse(
-                    st.server.stream(greq, prompt_ids, events),
-                    media_type="text/event-stream",
-                    headers=headers,
+                    _measured(body, endpoint, t0), media_type="text/event-stream", headers=headers
                 )
-            body = await _unless_disconnected(request, st.server.complete(greq))
-            if body is None:
-                status = 499  # client closed the request; the engine request was aborted
-                return Response(status_code=499)
-            status = 200
-            return JSONResponse(body, headers=headers)
+            result = await _unless_disconnected(request, st.server.complete(greq))
         except ServiceError as e:
-            status = e.status_code
+            _done(endpoint, t0, e.status_code)
             raise
-        finally:
-            metrics.inflight.dec()
-            metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
-            metrics.latency.labels(endpoint=endpoint).observe(time.perf_counter() - t0)
+        except BaseException:
+            _done(endpoint, t0, 500)
+            raise
+        if result is None:
+            # The client closed the request; its engine request was aborted.
+            _done(endpoint, t0, 499)
+            return Response(status_code=499)
+        _done(endpoint, t0, 200)
+        return JSONResponse(result, headers=headers)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -342,7 +350,7 @@ def create_app(
 
     @app.post("/v1/routes:batch")
     async def routes_batch(request: Request) -> Response:
-        parsed, _ = await _parse_plain(request, BatchRoutesRequest)
+        parsed, _ = await _parse(request, BatchRoutesRequest)
         if len(parsed.ids) > settings.max_batch_ids:
             raise InvalidRequestError(
                 f"ids: {len(parsed.ids)} ids, at most {settings.max_batch_ids} per batch",
@@ -383,16 +391,5 @@ def create_app(
                 f"route_id {route_id!r} not found", param="route_id", code="route_not_found"
             )
         return {"id": route_id, "deleted": True}
-
-    async def _parse_plain(request: Request, model_cls: type) -> tuple[Any, dict[str, Any]]:
-        try:
-            raw = json.loads(await request.body())
-            return model_cls.model_validate(raw), raw
-        except ValueError as e:
-            if isinstance(e, ValidationError):
-                err = e.errors()[0]
-                param = ".".join(str(p) for p in err["loc"]) or None
-                raise InvalidRequestError(f"{param}: {err['msg']}", param=param) from e
-            raise InvalidRequestError(f"request body is not valid JSON: {e}", param="body") from e
 
     return app

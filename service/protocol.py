@@ -93,6 +93,11 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
     @property
+    def max_tokens_field(self) -> str:
+        """The field that set the completion budget (for error messages)."""
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
+    @property
     def num_logprobs(self) -> int | None:
         """vLLM's ``SamplingParams.logprobs``: None (off) or how many top alternatives."""
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -136,6 +141,10 @@ class CompletionRequest(SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_tokens"
 
     @property
     def num_logprobs(self) -> int | None:

@@ -23,7 +23,6 @@ from .engine import (
 )
 from .errors import EngineUnavailableError, InvalidRequestError
 from .model_info import ModelInfo, moe_layout
-from .protocol import ChatCompletionRequest
 
 __all__ = ["VllmBackend", "on_cpu_host"]
 
@@ -199,11 +198,7 @@ class VllmBackend(EngineBackend):
         from vllm.sampling_params import RequestOutputKind
 
         r = req.request
-        field = (
-            "max_completion_tokens"
-            if (isinstance(r, ChatCompletionRequest) and r.max_completion_tokens)
-            else "max_tokens"
-        )
+        field = r.max_tokens_field
         room = self.info.max_model_len - prompt_len
         max_tokens = r.requested_max_tokens
         if max_tokens is None:
