@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from routereplay.client import (
     MEDIA_TYPE,
     AsyncRouteStore,
+    RouteConnectionError,
     RouteNotFoundError,
     RouteShapeError,
     encode_record,
@@ -33,7 +34,7 @@ from routereplay.client import (
 
 from .capture import RouteCapture
 from .engine import EngineBackend, GenerationRequest
-from .errors import InvalidRequestError, NotFoundError, ServiceError
+from .errors import InvalidRequestError, NotFoundError, ServiceError, StoreUnavailableError
 from .metrics import ServiceMetrics
 from .protocol import BatchRoutesRequest, ChatCompletionRequest, CompletionRequest
 from .serving import CompletionServer
@@ -170,6 +171,11 @@ def create_app(
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status_code)
+
+    @app.exception_handler(RouteConnectionError)
+    async def _store_down(request: Request, exc: RouteConnectionError) -> JSONResponse:
+        err = StoreUnavailableError(f"route store unavailable: {exc}")
+        return JSONResponse(err.body(), status_code=err.status_code)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:

@@ -10,6 +10,7 @@ __all__ = [
     "InvalidRequestError",
     "NotFoundError",
     "ServiceError",
+    "StoreUnavailableError",
 ]
 
 
@@ -49,3 +50,10 @@ class EngineUnavailableError(ServiceError):
 
     status_code = 503
     type = "engine_unavailable"
+
+
+class StoreUnavailableError(ServiceError):
+    """Redis (the route store) cannot be reached: 503."""
+
+    status_code = 503
+    type = "store_unavailable"
