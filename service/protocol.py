@@ -61,6 +61,10 @@ class SamplingFields(BaseModel):
     return_routed_experts: Literal["handle", "inline"] = "handle"
     # vLLM extension: echo prompt_token_ids and choices[i].token_ids.
     return_token_ids: bool = False
+    # vLLM extension: the engine returns routes from this prompt position on (multi-turn: the
+    # earlier turns' rows are already stored). The skipped rows are filled from the store's
+    # token-prefix index; what it cannot fill is marked invalid.
+    routed_experts_prompt_start: int = Field(0, ge=0)
 
     @property
     def include_usage_in_stream(self) -> bool:

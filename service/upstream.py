@@ -175,6 +175,7 @@ class UpstreamBackend(EngineBackend):
                 output_token_ids=out_ids,
                 num_cached_tokens=int(cached),
                 routed_experts=arr,
+                routes_row_start=int(req.raw.get("routed_experts_prompt_start") or 0),
                 routes_error=None if b64 else (
                     "the upstream returned no routed_experts (is it started with "
                     "--enable-return-routed-experts?)"

@@ -209,6 +209,12 @@ class VllmBackend(EngineBackend):
                 f"context of {self.info.max_model_len} tokens (at most {room} allowed)",
                 param=field,
             )
+        if r.routed_experts_prompt_start > prompt_len:
+            raise InvalidRequestError(
+                f"routed_experts_prompt_start={r.routed_experts_prompt_start} is beyond the "
+                f"prompt's {prompt_len} tokens",
+                param="routed_experts_prompt_start",
+            )
         kw = {k: getattr(r, k) for k in _PASS_THROUGH if getattr(r, k) is not None}
         try:
             return SamplingParams(
@@ -217,6 +223,7 @@ class VllmBackend(EngineBackend):
                 min_tokens=r.min_tokens,
                 ignore_eos=r.ignore_eos,
                 logprobs=r.num_logprobs,
+                routed_experts_prompt_start=r.routed_experts_prompt_start,
                 # DELTA: each message carries only new tokens, so streaming costs O(new) per step.
                 output_kind=RequestOutputKind.DELTA,
                 **kw,
@@ -285,6 +292,7 @@ class VllmBackend(EngineBackend):
         pending: dict[int, Any] = {}
         done: set[int] = set()
         num_logprobs = params.logprobs
+        row_start = params.routed_experts_prompt_start
         try:
             async for out in _chain(first, outputs):
                 for o in out.outputs:
@@ -305,11 +313,11 @@ class VllmBackend(EngineBackend):
                             continue
                         done.add(i)
                         pending.pop(i, None)
-                        yield self._finished(o, out_ids[i], out.num_cached_tokens)
+                        yield self._finished(o, out_ids[i], out.num_cached_tokens, row_start)
                 if out.finished:
                     for i, o in list(pending.items()):
                         done.add(i)
-                        yield self._finished(o, out_ids[i], out.num_cached_tokens)
+                        yield self._finished(o, out_ids[i], out.num_cached_tokens, row_start)
                     pending.clear()
         except EngineDeadError as e:
             raise EngineUnavailableError(
@@ -323,7 +331,9 @@ class VllmBackend(EngineBackend):
             await outputs.aclose()
 
     @staticmethod
-    def _finished(o: Any, out_ids: list[int], num_cached: int | None) -> ChoiceFinished:
+    def _finished(
+        o: Any, out_ids: list[int], num_cached: int | None, row_start: int
+    ) -> ChoiceFinished:
         re = o.routed_experts
         return ChoiceFinished(
             index=o.index,
@@ -332,6 +342,7 @@ class VllmBackend(EngineBackend):
             output_token_ids=out_ids,
             num_cached_tokens=int(num_cached or 0),
             routed_experts=re,
+            routes_row_start=row_start,
             routes_error=None if re is not None else "the engine returned no routed experts",
         )
 

@@ -122,6 +122,13 @@ class TestBadInput:
     ) -> None:
         err(chat(http, service, f"bad-{field}", **{field: value}), 400, field)
 
+    def test_prompt_start_beyond_prompt(self, http: httpx.Client, service: Service) -> None:
+        r = http.post(
+            "/v1/completions", headers={"X-Request-Id": "bad-start"},
+            json={"model": service.model, "prompt": [5, 6, 7], "routed_experts_prompt_start": 9},
+        )  # fmt: skip
+        err(r, 400, "routed_experts_prompt_start")
+
     def test_echo_unsupported(self, http: httpx.Client, service: Service) -> None:
         r = http.post("/v1/completions", json={"model": service.model, "prompt": "a", "echo": True})
         err(r, 400, "echo")
