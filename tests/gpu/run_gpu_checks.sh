@@ -21,8 +21,8 @@ cp client/_errors.py client/_record.py client/_codec.py /tmp/rr/routereplay/clie
 echo '"""routereplay.client (GPU check subset)."""' > /tmp/rr/routereplay/client/__init__.py
 cp -r trainer_adapter /tmp/rr/routereplay/trainer_adapter
 export PYTHONPATH=/tmp/rr:/tmp/site
-python3 -c 'import torch, megatron.core as m, routereplay.client as c; print("torch",
-  torch.__version__, "gpus", torch.cuda.device_count(), "megatron-core", m.__version__, c.__file__)'
+(cd /tmp && python3 -c 'import torch, megatron.core as m, routereplay.client as c; print("torch",
+  torch.__version__, "gpus", torch.cuda.device_count(), "megatron-core", m.__version__, c.__file__)')
 [ "$DEV" = cuda ] && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
 fail=0
