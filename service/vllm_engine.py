@@ -52,6 +52,11 @@ def on_cpu_host() -> bool:
         return True
 
 
+def _finite(logprob: float | None) -> float:
+    # JSON has no -inf; clamp as vLLM's own server does.
+    return -9999.0 if logprob is None else max(float(logprob), -9999.0)
+
+
 async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
     yield first
     async for x in rest:
@@ -165,11 +170,7 @@ class VllmBackend(EngineBackend):
             top_k=top_k,
             max_model_len=int(self.engine.model_config.max_model_len),
         )
-        self._tokenizer = (
-            self.engine.get_tokenizer() if hasattr(self.engine, "get_tokenizer") else None
-        )
-        if hasattr(self._tokenizer, "__await__"):
-            self._tokenizer = await self._tokenizer
+        self._tokenizer = self.engine.get_tokenizer()
 
     async def close(self) -> None:
         if self.engine is not None:
@@ -359,8 +360,8 @@ class VllmBackend(EngineBackend):
             res.append(
                 TokenLogprob(
                     token=self._text(tok, chosen),
-                    logprob=float(chosen.logprob) if chosen is not None else float("-inf"),
-                    top=[(s, float(v)) for _, s, v in top[:k]],
+                    logprob=_finite(chosen.logprob if chosen is not None else None),
+                    top=[(s, _finite(v)) for _, s, v in top[:k]],
                 )
             )
         return res
