@@ -91,16 +91,20 @@ def shared_prefix_sample(
     """One prompt copy followed by each record's completion (ART's GRPO-group packing).
 
     Layout: ``[prompt of records[indices[0]]] + [completion of records[i] for i in indices]``;
-    the prompt rows come from the first record, each completion from its own record's rows
-    ``[prompt_len, T_i)``. Every record must start with the same ``prompt_len`` tokens; a
-    difference raises :class:`TokenMismatchError` (``sample`` only labels that message).
+    each prompt row comes from the first record of the group with a valid row there (a later
+    request of the group may have hit the engine's prefix cache and lack prompt rows, or the
+    first may), each completion from its own record's rows ``[prompt_len, T_i)``. Every record
+    must start with the same ``prompt_len`` tokens; a difference raises
+    :class:`TokenMismatchError` (``sample`` only labels that message).
     """
     if not indices:
         raise RouteAlignmentError(f"sample {sample}: shared-prefix sample needs >= 1 record")
     first = records[indices[0]]
     P = first.prompt_len if prompt_len is None else prompt_len
     ref = first.token_ids[:P]
-    rec_parts = [np.full(P, indices[0], np.int32)]
+    prompt_rec = np.full(P, indices[0], np.int32)
+    prompt_ok = first.valid[:P].copy()
+    rec_parts = [prompt_rec]
     tok_parts = [np.arange(P, dtype=np.int32)]
     for i in indices:
         r = records[i]
@@ -119,6 +123,9 @@ def shared_prefix_sample(
                 int(r.token_ids[p]),
                 f"record {i}'s prompt differs from record {indices[0]}'s shared prompt",
             )
+        fill = ~prompt_ok & r.valid[:P]
+        prompt_rec[fill] = i
+        prompt_ok |= fill
         n = r.num_tokens - P
         rec_parts.append(np.full(n, i, np.int32))
         tok_parts.append(np.arange(P, P + n, dtype=np.int32))

@@ -139,6 +139,10 @@ def test_shared_prefix_group(rng):
     ids = np.concatenate([prompt, recs[0].token_ids[5:], recs[1].token_ids[5:]])
     tg = gather_targets(pm, recs, MOE, input_ids=ids)
     np.testing.assert_array_equal(tg.experts, naive_truth(pm, recs, MOE))
+    # The first request's prompt rows 1..2 were lost (e.g. a prefix-cache hit): take record 1's.
+    recs[0].valid[1:3] = False
+    sm = shared_prefix_sample([0, 1], recs)
+    np.testing.assert_array_equal(sm.record[:5], [0, 1, 1, 0, 0])
     bad = make_record(
         rng, np.concatenate([prompt[:4], [1000], rng.integers(0, 9, 2)]), prompt_len=5
     )
