@@ -728,6 +728,25 @@ def _extras(
         ok = False
     except TargetShapeError as e:
         result["short_target_raises"] = str(e)[:120]
+    # Malformed targets are refused before they reach the routers.
+    from routereplay.trainer_adapter import RouteLayerMismatchError
+
+    n = t.num_tokens
+    bad_inputs = {
+        "top_k": torch.zeros(len(t.layers), n, K + 1, dtype=torch.long),
+        "expert_range": torch.full((len(t.layers), n, K), E, dtype=torch.long),
+        "num_experts": type(t)(t.layers, t.experts, E * 2),
+        "missing_layer": {t.layers[0]: torch.zeros(n, K, dtype=torch.long)},
+    }
+    refused_targets = []
+    for name, bad in bad_inputs.items():
+        try:
+            with replayer.step():
+                replayer.set_targets(bad)
+        except (TargetShapeError, RouteLayerMismatchError):
+            refused_targets.append(name)
+    result["refused_targets"] = refused_targets
+    ok &= len(refused_targets) == len(bad_inputs)
     # Bypassing configurations are refused.
     refused = []
     for field, val in [

@@ -15,6 +15,7 @@ KEYS = (
     "refused",
     "stale_instances_before_build",
     "vpp_requires_chunk",
+    "refused_targets",
 )
 
 
