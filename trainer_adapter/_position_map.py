@@ -133,7 +133,11 @@ def shared_prefix_sample(
 
 
 def multi_turn_sample(
-    indices: Sequence[int], records: Sequence[RouteRecord], *, sample: int = -1
+    indices: Sequence[int],
+    records: Sequence[RouteRecord],
+    *,
+    prefer: Literal["first", "last"] = "first",
+    sample: int = -1,
 ) -> SampleMap:
     """A multi-turn trajectory assembled from one record per turn.
 
@@ -144,7 +148,13 @@ def multi_turn_sample(
     the later prefill's). The last sampled token of a turn has no row in its own record, so it
     takes the next turn's prefill row. Every record must agree with the longest one on the tokens
     it covers (retokenization drift raises :class:`TokenMismatchError`).
+
+    ``prefer="last"`` takes the LATEST turn with a valid row instead: the final prefill's routes,
+    closer to the trainer's single forward over the whole trajectory, but not the routes the
+    earlier completions were sampled under.
     """
+    if prefer not in ("first", "last"):
+        raise RouteAlignmentError(f"prefer must be 'first' or 'last', got {prefer!r}")
     if not indices:
         raise RouteAlignmentError(f"sample {sample}: multi-turn sample needs >= 1 record")
     lens = [records[i].num_tokens for i in indices]
@@ -153,7 +163,8 @@ def multi_turn_sample(
     ref = records[indices[longest]].token_ids
     rec = np.full(L, NO_ROUTE, np.int32)
     fallback = np.full(L, NO_ROUTE, np.int32)  # covering record with only invalid rows
-    for i in indices:
+    order = list(indices) if prefer == "first" else list(indices)[::-1]
+    for i in order:
         r = records[i]
         T = r.num_tokens
         diff = np.flatnonzero(r.token_ids != ref[:T])

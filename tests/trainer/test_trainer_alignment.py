@@ -162,6 +162,8 @@ def test_multi_turn_takes_earliest_valid_row(rng):
     tg = gather_targets(pm, [turn1, turn2], MOE, input_ids=turn2.token_ids)
     np.testing.assert_array_equal(tg.layer(1)[:5], turn1.experts[:5, 0])
     np.testing.assert_array_equal(tg.layer(1)[5:10], turn2.experts[5:10, 0])
+    last = multi_turn_sample([0, 1], [turn1, turn2], prefer="last")
+    np.testing.assert_array_equal(last.record, [1] * 11)
     drifted = turn2.token_ids.copy()
     drifted[4] += 1
     turn2b = RouteRecord(drifted, turn2.experts, turn2.valid, MOE, L, E, prompt_len=8)
