@@ -172,7 +172,10 @@ class RouterReplayer:
             raise TargetShapeError(f"RouterReplay gathers need int64 or int32 targets, not {dtype}")
         self.dtype = dtype
         self._chunks = list(model) if isinstance(model, Sequence) else [model]
-        self._hooks = [s.router.register_forward_pre_hook(self._make_check(s)) for s in self.slots]
+        self._hooks = [
+            s.router.register_forward_pre_hook(self._make_check(s), with_kwargs=True)
+            for s in self.slots
+        ]
 
     # -- introspection ----------------------------------------------------------------------------
     @property
@@ -187,13 +190,22 @@ class RouterReplayer:
     # -- shape check during forward/recompute -----------------------------------------------------
     @staticmethod
     def _make_check(slot: RouterSlot):
-        def hook(module: torch.nn.Module, args: tuple) -> None:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             rr = slot.replay
             act = rr.router_replay_action
             if act == RouterReplayAction.REPLAY_FORWARD:
                 t = rr.target_topk_idx
                 when = "forward"
             elif act == RouterReplayAction.REPLAY_BACKWARD:
+                if not torch.is_grad_enabled():
+                    # Megatron recomputes under enable_grad; a no-grad forward here is an eval or
+                    # logprob pass run after micro_batch() inside step(): it would pop (and
+                    # misalign) the targets queued for recompute.
+                    raise ReplayConfigError(
+                        f"layer {slot.layer_number} ({slot.name}): a no-grad forward ran while "
+                        "targets wait for recompute; run it outside RouterReplayer.step() or "
+                        "inside its own micro_batch()/R2Recorder.record()"
+                    )
                 if not rr.replay_backward_list:
                     raise TargetShapeError(
                         f"layer {slot.layer_number} ({slot.name}): recompute found no queued "
@@ -203,7 +215,8 @@ class RouterReplayer:
                 when = "recompute"
             else:
                 return
-            n = _rows_of(args[0])
+            x = args[0] if args else kwargs.get("input", next(iter(kwargs.values()), None))
+            n = _rows_of(x)
             if t is None or t.shape[0] != n:
                 raise TargetShapeError(
                     f"layer {slot.layer_number} ({slot.name}) {when}: router sees {n} tokens "

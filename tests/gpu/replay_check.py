@@ -553,6 +553,8 @@ def main(argv=None) -> int:
             )
             mb = st["calls_" + phase]
             st["calls_" + phase] += 1
+            if mb >= len(mbs):  # the guard checks in _extras run extra forwards
+                return
             exp = mbs[mb]["truth"][MOE_LAYERS.index(slot.layer)]
             want = torch.zeros(exp.shape[0], E, dtype=torch.bool)
             want.scatter_(1, torch.from_numpy(exp), True)
@@ -747,6 +749,17 @@ def _extras(
             refused_targets.append(name)
     result["refused_targets"] = refused_targets
     ok &= len(refused_targets) == len(bad_inputs)
+    # A no-grad forward while targets wait for recompute would pop them: refused.
+    try:
+        with replayer.step():
+            with replayer.micro_batch(t):
+                forward(mbs[0])
+            with torch.no_grad():
+                forward(mbs[0])
+        result["nograd_forward_in_step_raises"] = False
+        ok = False
+    except ReplayConfigError:
+        result["nograd_forward_in_step_raises"] = True
     # Bypassing configurations are refused.
     refused = []
     for field, val in [

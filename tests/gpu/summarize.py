@@ -16,6 +16,7 @@ KEYS = (
     "stale_instances_before_build",
     "vpp_requires_chunk",
     "refused_targets",
+    "nograd_forward_in_step_raises",
 )
 
 

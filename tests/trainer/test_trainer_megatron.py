@@ -86,6 +86,7 @@ def test_world1_thd_redis_recompute_r2_and_guards(redis_url):
         "moe_expert_capacity_factor",
     ]
     assert r["stale_instances_before_build"] == 3 and r["global_instances"] == 6
+    assert r["nograd_forward_in_step_raises"]
     assert r["refused_targets"] == ["top_k", "expert_range", "num_experts", "missing_layer"]
 
 
