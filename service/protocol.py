@@ -180,46 +180,42 @@ class ChatMessage(BaseModel):
     content: str | None = None
 
 
-class ChatChoice(BaseModel):
+class _Choice(BaseModel):
+    """Fields every choice has; ``routed_experts`` is the handle (or inline base64 .npy)."""
+
     index: int
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    routed_experts: RouteHandle | str | None = None
+    routed_experts_handle: RouteHandle | None = None
+
+
+class ChatChoice(_Choice):
     message: ChatMessage
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-    routed_experts: RouteHandle | str | None = None
-    routed_experts_handle: RouteHandle | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    prompt_token_ids: list[int] | None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int
+class CompletionChoice(_Choice):
     text: str
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-    routed_experts: RouteHandle | str | None = None
-    routed_experts_handle: RouteHandle | None = None
 
 
-class CompletionResponse(BaseModel):
+class _Response(BaseModel):
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[CompletionChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class BatchRoutesRequest(BaseModel):
