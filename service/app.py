@@ -140,7 +140,7 @@ def create_app(
                 if url is None:
                     from routereplay.client._local_redis import redis_server
 
-                    url = stack.enter_context(redis_server())
+                    url = stack.enter_context(redis_server(settings.local_redis_maxmemory))
                     log.info("no Redis configured; started a local redis-server at %s", url)
                 st.store = AsyncRouteStore.from_url(
                     url, prefix=settings.route_prefix, ttl_s=settings.route_ttl_s,

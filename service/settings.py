@@ -48,6 +48,9 @@ class Settings(BaseSettings):
 
     # -- routes ------------------------------------------------------------------------------------
     redis_url: str | None = None
+    local_redis_maxmemory: str = Field(
+        "2gb", description="memory cap of the private redis-server started without --redis-url"
+    )
     route_prefix: str = "rr"
     route_ttl_s: int = 86400
     block_size: int = 128
