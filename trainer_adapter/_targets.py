@@ -84,6 +84,8 @@ class ReplayTargets:
 
     def select(self, layers: Sequence[int]) -> ReplayTargets:
         """Targets restricted to ``layers`` (a pipeline stage's or VPP chunk's MoE layers)."""
+        if tuple(layers) == self.layers:
+            return self  # no copy in the common case
         idx = [self.layers.index(x) for x in layers if x in self.layers]
         missing = sorted(set(layers) - set(self.layers))
         if missing:
