@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Generator, Iterator, Sequence
-from typing import Any
+from typing import Any, Self
 
 import redis
 import redis.asyncio as aioredis
@@ -166,6 +166,28 @@ class _Common:
         self.block_size = block_size
         self._where = where or repr(client)
 
+    # (standalone client class, cluster client class): redis-py's sync or asyncio ones.
+    _clients: tuple[type, type]
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        prefix: str = "rr",
+        ttl_s: int = DEFAULT_TTL_S,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        cluster: bool | None = None,
+        **redis_kwargs: Any,
+    ) -> Self:
+        """``redis://`` / ``rediss://``; ``redis+cluster://`` or ``cluster=True`` for a cluster.
+
+        ``redis_kwargs`` go to redis-py's ``from_url`` (timeouts, pool size, TLS options).
+        """
+        url, is_cluster = _split_url(url, cluster)
+        client = cls._clients[is_cluster].from_url(url, **redis_kwargs)
+        return cls(client, prefix=prefix, ttl_s=ttl_s, block_size=block_size, where=url)
+
     def _pipe(self, batch: list[Command]) -> Any:
         # RedisCluster pipelines are never transactional and take no such argument.
         if isinstance(self.redis, (RedisCluster, AsyncRedisCluster)):
@@ -199,25 +221,7 @@ class RouteStore(_Common):
     >>> store.get_many(["req-1-0", "req-2-0"])
     """
 
-    @classmethod
-    def from_url(
-        cls,
-        url: str,
-        *,
-        prefix: str = "rr",
-        ttl_s: int = DEFAULT_TTL_S,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        cluster: bool | None = None,
-        **redis_kwargs: Any,
-    ) -> RouteStore:
-        """``redis://`` / ``rediss://``; ``redis+cluster://`` or ``cluster=True`` for a cluster."""
-        url, is_cluster = _split_url(url, cluster)
-        client = (
-            RedisCluster.from_url(url, **redis_kwargs)
-            if is_cluster
-            else redis.Redis.from_url(url, **redis_kwargs)
-        )
-        return cls(client, prefix=prefix, ttl_s=ttl_s, block_size=block_size, where=url)
+    _clients = (redis.Redis, RedisCluster)
 
     def _run(self, op: Op) -> Any:
         with _redis_errors(self._where):
@@ -294,25 +298,7 @@ class AsyncRouteStore(_Common):
     the event loop that serves other requests.
     """
 
-    @classmethod
-    def from_url(
-        cls,
-        url: str,
-        *,
-        prefix: str = "rr",
-        ttl_s: int = DEFAULT_TTL_S,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        cluster: bool | None = None,
-        **redis_kwargs: Any,
-    ) -> AsyncRouteStore:
-        """See :meth:`RouteStore.from_url`."""
-        url, is_cluster = _split_url(url, cluster)
-        client = (
-            AsyncRedisCluster.from_url(url, **redis_kwargs)
-            if is_cluster
-            else aioredis.Redis.from_url(url, **redis_kwargs)
-        )
-        return cls(client, prefix=prefix, ttl_s=ttl_s, block_size=block_size, where=url)
+    _clients = (aioredis.Redis, AsyncRedisCluster)
 
     async def _run(self, op: Op, big: bool = False) -> Any:
         # The operation's CPU work (encoding, decoding) runs between yields, i.e. inside send():

@@ -113,16 +113,10 @@ def shared_prefix_sample(
                 f"sample {sample}: record {i} has {r.num_tokens} tokens, fewer than the shared "
                 f"prompt's {P}"
             )
-        diff = np.flatnonzero(r.token_ids[:P] != ref)
-        if diff.size:
-            p = int(diff[0])
-            raise TokenMismatchError(
-                sample,
-                p,
-                int(ref[p]),
-                int(r.token_ids[p]),
-                f"record {i}'s prompt differs from record {indices[0]}'s shared prompt",
-            )
+        _check_prefix(
+            sample, r.token_ids[:P], ref,
+            f"record {i}'s prompt differs from record {indices[0]}'s shared prompt",
+        )  # fmt: skip
         fill = ~prompt_ok & r.valid[:P]
         prompt_rec[fill] = i
         prompt_ok |= fill
@@ -130,6 +124,14 @@ def shared_prefix_sample(
         rec_parts.append(np.full(n, i, np.int32))
         tok_parts.append(np.arange(P, P + n, dtype=np.int32))
     return SampleMap(np.concatenate(rec_parts), np.concatenate(tok_parts))
+
+
+def _check_prefix(sample: int, got: np.ndarray, want: np.ndarray, detail: str) -> None:
+    """TokenMismatchError at the first position where ``got`` (a record's ids) != ``want``."""
+    diff = np.flatnonzero(got != want)
+    if diff.size:
+        p = int(diff[0])
+        raise TokenMismatchError(sample, p, int(want[p]), int(got[p]), detail)
 
 
 def multi_turn_sample(
@@ -167,16 +169,10 @@ def multi_turn_sample(
     for i in order:
         r = records[i]
         T = r.num_tokens
-        diff = np.flatnonzero(r.token_ids != ref[:T])
-        if diff.size:
-            p = int(diff[0])
-            raise TokenMismatchError(
-                sample,
-                p,
-                int(ref[p]),
-                int(r.token_ids[p]),
-                f"turn record {i} disagrees with the final turn's record {indices[longest]}",
-            )
+        _check_prefix(
+            sample, r.token_ids, ref[:T],
+            f"turn record {i} disagrees with the final turn's record {indices[longest]}",
+        )  # fmt: skip
         take = (rec[:T] == NO_ROUTE) & r.valid
         rec[:T][take] = i
         fallback[:T][fallback[:T] == NO_ROUTE] = i
