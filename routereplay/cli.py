@@ -32,10 +32,13 @@ def _load(target: str):
 
 
 def _bench_main(argv: list[str]) -> int:
+    if argv and argv[0] in _BENCHES:
+        # The rest, --help included, belongs to the benchmark itself.
+        return int(_load(_BENCHES[argv[0]])(argv[1:]) or 0)
     p = argparse.ArgumentParser(prog="routereplay bench")
     p.add_argument("which", choices=sorted(_BENCHES))
-    args, rest = p.parse_known_args(argv)
-    return int(_load(_BENCHES[args.which])(rest) or 0)
+    p.parse_args(argv)  # prints usage / the error and exits
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
