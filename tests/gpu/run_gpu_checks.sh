@@ -58,4 +58,11 @@ run gpu2_pp2_vpp2_padded     2 --pp 2 --vpp 2 --micro-batches 4 --layout padded
 [ "$DEV" = cuda ] || { echo "CPU rehearsal: alltoall needs CUDA streams, skipped"; finish; }
 run gpu2_ep2_alltoall_thd    2 --ep 2 --dispatcher alltoall
 run gpu2_ep2_alltoall_sel    2 --ep 2 --dispatcher alltoall --recompute selective --layout padded
+# Issue 5: four GPUs (skipped on fewer).
+if [ "$DEV" = cuda ] && [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
+  run gpu4_tp2_pp2_vpp2_sp     4 --tp 2 --sp --pp 2 --vpp 2 --micro-batches 4 --recompute selective
+  run gpu4_tp2_pp2_vpp2_sp_pad 4 --tp 2 --sp --pp 2 --vpp 2 --micro-batches 4 --layout padded
+  run gpu4_ep4_alltoall_pad    4 --ep 4 --dispatcher alltoall --layout padded --recompute selective
+  run gpu4_ep4_alltoall_thd    4 --ep 4 --dispatcher alltoall
+fi
 finish

@@ -118,6 +118,28 @@ def test_tp2_sp_cp2_four_ranks(redis_url):
     assert_exact(run_check(4, "--tp", "2", "--sp", "--cp", "2", redis_url=redis_url))
 
 
+def test_tp2_pp2_vpp2_sequence_parallel_four_ranks(redis_url):
+    """Issue 5's first configuration on CPU (4 gloo ranks): TP2 x PP2 with 2 chunks per stage,
+    sequence parallel, selective recompute. Each TP pair replays its SP slice of its stage's
+    chunks' layers (stage 0: layer 3; stage 1: layers 2 and 4)."""
+    res = run_check(
+        4, "--tp", "2", "--sp", "--pp", "2", "--vpp", "2", "--micro-batches", "4",
+        "--recompute", "selective", redis_url=redis_url,
+    )  # fmt: skip
+    assert_exact(res)
+    assert sorted(r["router_layer_numbers"] for r in res) == [[2, 4], [2, 4], [3], [3]]
+
+
+def test_ep4_with_fillers_four_ranks(redis_url):
+    """Issue 5's second configuration on CPU: EP4 (allgather; the alltoall dispatcher needs CUDA),
+    padded batches whose padding rows get distinct fillers, selective recompute."""
+    res = run_check(
+        4, "--ep", "4", "--layout", "padded", "--recompute", "selective", redis_url=redis_url
+    )
+    assert_exact(res)
+    assert all(sum(r["filler_rows"]) > 0 for r in res)
+
+
 def test_pp2_1f1b_schedule_stage_layers(redis_url):
     """Megatron's own 1F1B schedule; forward_step wraps the model call in micro_batch(); each
     stage replays only its routers, matched by global layer number (stage 0: 2, stage 1: 3, 4)."""
