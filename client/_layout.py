@@ -170,7 +170,7 @@ def plan_put(
     validate_route_id(route_id)
     lm = record.layer_major()
     if canonical_order:
-        lm = canonicalize(lm, record.valid)
+        lm = canonicalize(lm)
     T = record.num_tokens
     spans = _blocks(T, block_size)
     seed = chain_seed(record.model, record.num_experts, record.top_k, record.moe_layers, block_size)
