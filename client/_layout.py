@@ -18,6 +18,7 @@ The sync and async stores (``_store.py``) only move the bytes this module plans 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -339,16 +340,8 @@ def apply_fill(plan: FillPlan, chunks: dict[int, tuple[str, bytes]]) -> tuple[Ro
             filled += int(take.sum())
     if not filled:
         return rec, 0
-    out = RouteRecord(
-        token_ids=rec.token_ids,
-        experts=experts,
-        valid=valid,
-        moe_layers=rec.moe_layers,
-        num_layers=rec.num_layers,
-        num_experts=rec.num_experts,
-        prompt_len=rec.prompt_len,
-        num_cached_tokens=rec.num_cached_tokens,
-        model=rec.model,
+    out = dataclasses.replace(
+        rec, experts=experts, valid=valid,
         metadata={**rec.metadata, "rows_filled_from_index": filled},
-    )
+    )  # fmt: skip
     return out, filled

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -211,16 +212,13 @@ class RouteRecord:
         if not 0 <= start <= stop <= T:
             raise RouteShapeError(f"row range [{start}, {stop}) out of range for {T} tokens")
         pl = min(max(self.prompt_len - start, 0), stop - start)
-        return RouteRecord(
+        return dataclasses.replace(
+            self,
             token_ids=self.token_ids[start:stop],
             experts=self.experts[start:stop],
             valid=self.valid[start:stop],
-            moe_layers=self.moe_layers,
-            num_layers=self.num_layers,
-            num_experts=self.num_experts,
             prompt_len=pl,
             num_cached_tokens=min(self.num_cached_tokens, pl),
-            model=self.model,
             metadata={**self.metadata, "row_start": start} if start else self.metadata,
         )
 
