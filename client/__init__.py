@@ -4,7 +4,7 @@ This layer is light on purpose (numpy, msgpack, zstandard, redis, httpx): both t
 trainer import it.
 """
 
-from ._codec import FORMAT_VERSION, MEDIA_TYPE, decode_record, encode_record
+from ._codec import BATCH_MEDIA_TYPE, FORMAT_VERSION, MEDIA_TYPE, decode_record, encode_record
 from ._errors import (
     RouteConnectionError,
     RouteCorruptError,
@@ -13,6 +13,7 @@ from ._errors import (
     RouteNotFoundError,
     RouteServiceError,
     RouteShapeError,
+    RouteStoreError,
     RouteTruncatedError,
     RouteVersionError,
 )
@@ -22,6 +23,7 @@ from ._record import RouteRecord, expert_dtype
 from ._store import AsyncRouteStore, RouteStore
 
 __all__ = [
+    "BATCH_MEDIA_TYPE",
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_TTL_S",
     "FORMAT_VERSION",
@@ -39,6 +41,7 @@ __all__ = [
     "RouteServiceError",
     "RouteShapeError",
     "RouteStore",
+    "RouteStoreError",
     "RouteTruncatedError",
     "RouteVersionError",
     "RoutesClient",

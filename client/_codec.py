@@ -26,6 +26,7 @@ Row transforms (chosen per blob by an entropy estimate on a sample, recorded in 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 import zlib
@@ -40,13 +41,13 @@ import zstandard
 from ._errors import (
     RouteCorruptError,
     RouteForeignFormatError,
-    RouteShapeError,
     RouteTruncatedError,
     RouteVersionError,
 )
 from ._record import RouteRecord, expert_dtype
 
 __all__ = [
+    "BATCH_MEDIA_TYPE",
     "FORMAT_VERSION",
     "MEDIA_TYPE",
     "decode_record",
@@ -56,6 +57,8 @@ __all__ = [
 MAGIC = b"RRTE"
 FORMAT_VERSION = 1
 MEDIA_TYPE = "application/vnd.routereplay.record"
+# POST /v1/routes:batch answers msgpack {"records": {id: blob}, "missing": [ids]}.
+BATCH_MEDIA_TYPE = "application/vnd.routereplay.records+msgpack"
 
 KIND_RECORD = 1
 KIND_CHUNK = 2
@@ -288,14 +291,15 @@ def encode_body(
 
 def decode_body(p: dict[str, Any], what: str) -> Block:
     try:
-        T, M, K, E, xf = (int(p[k]) for k in ("T", "M", "K", "E", "xf"))
-        raw_len = int(p["raw"])
+        T, M, K, E, xf, raw_len = (p[k] for k in ("T", "M", "K", "E", "xf", "raw"))
         body = p["body"]
         canonical = bool(p.get("canon", False))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise RouteCorruptError(f"{what}: payload field missing or malformed: {exc}") from exc
-    if min(T, M, K, E, raw_len) < 0 or E < 1:
-        raise RouteCorruptError(f"{what}: negative or zero size field")
+    except KeyError as exc:
+        raise RouteCorruptError(f"{what}: payload field {exc} missing") from exc
+    if not all(type(v) is int for v in (T, M, K, E, xf, raw_len)) or not isinstance(body, bytes):
+        raise RouteCorruptError(f"{what}: payload size fields or body have the wrong type")
+    if min(T, M, K, raw_len) < 0 or not 1 <= E <= 65536:
+        raise RouteCorruptError(f"{what}: size field out of range (T={T}, M={M}, K={K}, E={E})")
     dtype = expert_dtype(E)
     try:
         raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=raw_len)
@@ -369,10 +373,8 @@ def record_from_parts(p: dict[str, Any], block: Block, what: str) -> RouteRecord
             model=str(p["model"]),
             metadata=dict(p.get("meta") or {}),
         )
-    except (KeyError, TypeError) as exc:
-        raise RouteCorruptError(f"{what}: record field missing or malformed: {exc}") from exc
-    except RouteShapeError as exc:
-        raise RouteCorruptError(f"{what}: inconsistent record: {exc}") from exc
+    except (KeyError, TypeError, ValueError) as exc:  # RouteShapeError is a ValueError
+        raise RouteCorruptError(f"{what}: record fields malformed or inconsistent: {exc}") from exc
 
 
 def decode_record(blob: bytes | bytearray | memoryview, *, what: str = "record") -> RouteRecord:
@@ -382,4 +384,9 @@ def decode_record(blob: bytes | bytearray | memoryview, *, what: str = "record")
     :class:`RouteVersionError` or :class:`RouteCorruptError` naming the problem.
     """
     p = unframe(blob, KIND_RECORD, what)
-    return record_from_parts(p, decode_body(p, what), what)
+    block = decode_body(p, what)
+    if not block.experts.flags.writeable:
+        # The plain uint8 path views the decompressed bytes; a decoded record owns writable
+        # arrays on every path, as store reads (assembled into fresh arrays) do.
+        block = dataclasses.replace(block, experts=block.experts.copy())
+    return record_from_parts(p, block, what)

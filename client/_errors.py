@@ -51,6 +51,10 @@ class RouteVersionError(RouteError, ValueError):
     """The blob was written by a newer format version than this library reads."""
 
 
+class RouteStoreError(RouteError):
+    """Redis answered but refused a command (out of memory, read-only replica, Redis < 7.0)."""
+
+
 class RouteConnectionError(RouteError, ConnectionError):
     """Redis or the routereplay service could not be reached."""
 

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import msgpack
 
-from ._codec import MEDIA_TYPE, decode_record
+from ._codec import BATCH_MEDIA_TYPE, MEDIA_TYPE, decode_record
 from ._errors import (
     RouteConnectionError,
     RouteCorruptError,
@@ -29,18 +29,20 @@ from ._record import RouteRecord
 
 __all__ = ["AsyncRoutesClient", "RoutesClient"]
 
-_BATCH_MEDIA_TYPE = "application/vnd.routereplay.records+msgpack"
 _DEFAULT_TIMEOUT = httpx.Timeout(30.0, connect=5.0)
 
 
 def _raise_for(resp: httpx.Response, route_id: str | None = None) -> None:
     if resp.is_success:
         return
+    message, type_, param = resp.text, "", None
     try:
-        err = resp.json().get("error", {})
-        message, type_, param = err.get("message", resp.text), err.get("type", ""), err.get("param")
-    except ValueError:
-        message, type_, param = resp.text, "", None
+        err = resp.json().get("error")
+    except (ValueError, AttributeError):  # not JSON, or JSON that is not an object
+        err = None
+    if isinstance(err, dict):  # the OpenAI error schema; anything else keeps the raw text
+        message = str(err.get("message", message))
+        type_, param = str(err.get("type", "")), err.get("param")
     if resp.status_code == 404 and route_id is not None:
         raise RouteNotFoundError(route_id, message)
     raise RouteServiceError(resp.status_code, message, type_, param)
@@ -59,7 +61,7 @@ def _parse_get(resp: httpx.Response, route_id: str) -> RouteRecord:
 
 def _batch_request(route_ids: Sequence[str], start: int) -> dict[str, Any]:
     ids = [validate_route_id(r) for r in route_ids]
-    return {"json": {"ids": ids, "start": start}, "headers": {"Accept": _BATCH_MEDIA_TYPE}}
+    return {"json": {"ids": ids, "start": start}, "headers": {"Accept": BATCH_MEDIA_TYPE}}
 
 
 def _parse_batch(

@@ -40,7 +40,7 @@ from ._codec import (
     unframe,
 )
 from ._errors import RouteCorruptError, RouteShapeError
-from ._record import RouteRecord
+from ._record import RouteRecord, expert_dtype
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_TTL_S", "KeySchema", "PutResult", "validate_route_id"]
 
@@ -55,9 +55,15 @@ _HASH_BYTES = 16
 
 def validate_route_id(route_id: str) -> str:
     """Return ``route_id`` if it is 1-128 chars of ``[A-Za-z0-9._:-]``; else RouteShapeError."""
-    if not isinstance(route_id, str) or not _ROUTE_ID.fullmatch(route_id):
+    # Ids of dots only would be normalised away as URL path segments ("..").
+    if (
+        not isinstance(route_id, str)
+        or not _ROUTE_ID.fullmatch(route_id)
+        or not route_id.strip(".")
+    ):
         raise RouteShapeError(
-            f"invalid route id {route_id!r}: expected 1-128 characters from [A-Za-z0-9._:-]"
+            f"invalid route id {route_id!r}: expected 1-128 characters from [A-Za-z0-9._:-], "
+            "not only dots"
         )
     return route_id
 
@@ -266,9 +272,7 @@ def decode_chunk(key: str, blob: bytes, m: Manifest, index: int) -> Block:
 def assemble(m: Manifest, blocks: dict[str, Block], start: int = 0) -> RouteRecord:
     """Join decoded chunks into the record's rows ``start..T``."""
     n = m.T - start
-    first = next(iter(blocks.values()), None)
-    dtype = first.experts.dtype if first is not None else np.uint8
-    lm = np.empty((m.M, n, m.K), dtype=dtype)
+    lm = np.empty((m.M, n, m.K), dtype=expert_dtype(m.E))
     tok = np.empty(n, dtype=np.int64)
     valid = np.empty(n, dtype=bool)
     bs = m.block_size

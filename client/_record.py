@@ -181,14 +181,23 @@ class RouteRecord:
                 f"routed_experts rows [{row_start}, {row_start + R}) exceed the {T} tokens"
             )
         moe = tuple(int(x) for x in moe_layers)
+        if any(not 0 <= x < L for x in moe):
+            raise RouteShapeError(f"moe_layers {list(moe)} out of range for {L} layers")
         dense = sorted(set(range(L)) - set(moe))
         if dense and R and np.any(arr[:, dense, :]):
             raise RouteShapeError(
                 f"layers {dense} are marked dense but the engine returned non-zero experts there"
             )
         dt = expert_dtype(num_experts)
+        routed = arr[:, list(moe), :]
+        # Check before the cast: a narrowing cast would wrap -1 to 255 and 300 to 44 silently.
+        if routed.size and (routed.min() < 0 or routed.max() >= num_experts):
+            bad = routed.min() if routed.min() < 0 else routed.max()
+            raise RouteShapeError(
+                f"routed_experts holds expert id {int(bad)}, outside [0, {num_experts})"
+            )
         experts = np.zeros((T, len(moe), arr.shape[2]), dtype=dt)
-        experts[row_start : row_start + R] = arr[:, list(moe), :]
+        experts[row_start : row_start + R] = routed
         valid = np.zeros(T, dtype=bool)
         valid[row_start : row_start + R] = True
         return cls(

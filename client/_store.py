@@ -19,7 +19,12 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 
-from ._errors import RouteConnectionError, RouteCorruptError, RouteNotFoundError
+from ._errors import (
+    RouteConnectionError,
+    RouteCorruptError,
+    RouteNotFoundError,
+    RouteStoreError,
+)
 from ._layout import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_TTL_S,
@@ -61,6 +66,13 @@ def _redis_errors(where: str) -> Iterator[None]:
         raise RouteConnectionError(f"redis {where}: {exc}") from exc
     except redis.exceptions.ClusterError as exc:
         raise RouteConnectionError(f"redis cluster {where}: {exc}") from exc
+    except redis.ResponseError as exc:
+        # OOM, READONLY replica, a server older than 7.0 (no EXPIRE ... GT). The server's message
+        # can quote a whole command, chunk bytes included: keep its first line, shortened.
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise RouteStoreError(
+            f"redis {where} refused a command ({type(exc).__name__}): {first[:200]}"
+        ) from exc
 
 
 def _missing_chunk(m: Manifest, key: str) -> RouteCorruptError:
@@ -80,24 +92,34 @@ def _cmd(name: str, *args: Any, **kwargs: Any) -> Command:
     return (name, args, kwargs)
 
 
+def chunk_ttl(ttl: int) -> int:
+    """Chunks live longer than the manifests that name them: a put takes time between its chunk
+    writes and its manifest write, and an LRU/TTL eviction policy takes the keys nearest their
+    expiry first. The margin keeps "manifest present => chunks present" true under both."""
+    return ttl + max(60, ttl // 10)
+
+
 def _put(plan: PutPlan, ttl: int) -> Op:
     """Chunks first (NX), then index entries, then the manifest: no reader sees a partial one."""
+    cttl = chunk_ttl(ttl)
+    # EXPIRE before EXISTS: a chunk that EXISTS still sees was alive when EXPIRE extended it, so
+    # it cannot expire between the check and our manifest (the reverse order has that window).
     replies = yield [
         c
         for key in plan.chunk_keys
-        for c in (_cmd("exists", key), _cmd("expire", key, ttl, gt=True))
+        for c in (_cmd("expire", key, cttl, gt=True), _cmd("exists", key))
     ]
-    missing = [i for i, e in enumerate(replies[0::2]) if not e]
+    missing = [i for i, e in enumerate(replies[1::2]) if not e]
     raced: list[int] = []
     written = 0
     if missing:
         replies = yield [
-            _cmd("set", plan.chunk_keys[i], plan.chunk_blob(i), nx=True, ex=ttl) for i in missing
+            _cmd("set", plan.chunk_keys[i], plan.chunk_blob(i), nx=True, ex=cttl) for i in missing
         ]
         raced = [i for i, ok in zip(missing, replies, strict=True) if not ok]
         written = sum(len(plan.chunk_blob(i)) for i in missing if i not in raced)
         if raced:  # a concurrent writer stored it first: make it outlive our manifest
-            yield [_cmd("expire", plan.chunk_keys[i], ttl, gt=True) for i in raced]
+            yield [_cmd("expire", plan.chunk_keys[i], cttl, gt=True) for i in raced]
     yield [
         *(_cmd("set", key, digest, ex=ttl) for key, digest in plan.index_entries),
         _cmd("set", plan.manifest_key, plan.manifest_blob, ex=ttl),
@@ -126,11 +148,22 @@ def _get_many(keys: KeySchema, ids: list[str], start: int, missing_ok: bool) -> 
                 wanted.setdefault(m.chunk_keys[i], (m, i))
     blobs = (yield [_cmd("get", key) for key in wanted]) if wanted else []
     blocks: dict[str, Block] = {}
+    lost: set[str] = set()  # chunk keys that are gone (evicted): their records cannot be read
     for (key, (m, i)), blob in zip(wanted.items(), blobs, strict=True):
         if blob is None:
-            raise _missing_chunk(m, key)
-        blocks[key] = decode_chunk(key, blob, m, i)
-    return [None if m is None else assemble(m, blocks, start) for m in manifests]
+            if not missing_ok:
+                raise _missing_chunk(m, key)
+            lost.add(key)
+        else:
+            blocks[key] = decode_chunk(key, blob, m, i)
+    # With missing_ok, a record that lost a chunk is reported missing; the rest of the batch
+    # is still served.
+    return [
+        None
+        if m is None or any(m.chunk_keys[i] in lost for i in m.needed(start))
+        else assemble(m, blocks, start)
+        for m in manifests
+    ]
 
 
 def _fill(keys: KeySchema, record: RouteRecord, block_size: int) -> Op:
@@ -201,10 +234,12 @@ class _Common:
     def _put_op(
         self, route_id: str, record: RouteRecord, ttl_s: int | None, canonical_order: bool
     ) -> Op:
+        if ttl_s is not None and ttl_s < 1:
+            raise ValueError(f"ttl_s must be >= 1 second, got {ttl_s}")
         plan = plan_put(
             self.keys, route_id, record, self.block_size, canonical_order=canonical_order
         )
-        return _put(plan, ttl_s or self.ttl_s)
+        return _put(plan, self.ttl_s if ttl_s is None else ttl_s)
 
     def _get_op(self, route_ids: Sequence[str], start: int, missing_ok: bool) -> Op:
         return _get_many(self.keys, [validate_route_id(r) for r in route_ids], start, missing_ok)
@@ -367,4 +402,5 @@ class AsyncRouteStore(_Common):
 
     async def fill_from_prefix_index(self, record: RouteRecord) -> tuple[RouteRecord, int]:
         """See :meth:`RouteStore.fill_from_prefix_index`."""
-        return await self._run(_fill(self.keys, record, self.block_size))
+        big = record.experts.nbytes > _OFFLOAD_BYTES
+        return await self._run(_fill(self.keys, record, self.block_size), big)

@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from routereplay.client import (
+    BATCH_MEDIA_TYPE,
     MEDIA_TYPE,
     AsyncRouteStore,
     RouteConnectionError,
@@ -367,10 +368,16 @@ def create_app(
             recs = await st.store.get_many(ids, start=parsed.start, missing_ok=True)
         except RouteShapeError as e:
             raise InvalidRequestError(str(e), param="start") from e
-        records = {i: encode_record(r) for i, r in zip(ids, recs, strict=True) if r is not None}
-        missing = [i for i, r in zip(ids, recs, strict=True) if r is None]
-        body = msgpack.packb({"records": records, "missing": missing}, use_bin_type=True)
-        return Response(body, media_type="application/msgpack")
+
+        def pack() -> bytes:
+            records = {i: encode_record(r) for i, r in zip(ids, recs, strict=True) if r}
+            missing = [i for i, r in zip(ids, recs, strict=True) if r is None]
+            return msgpack.packb({"records": records, "missing": missing}, use_bin_type=True)
+
+        # Encoding up to max_batch_ids records is CPU work: keep it off the event loop, which
+        # is streaming completions meanwhile.
+        body = await asyncio.to_thread(pack)
+        return Response(body, media_type=BATCH_MEDIA_TYPE)
 
     @app.get("/v1/routes/{route_id}")
     async def get_route(route_id: str, request: Request) -> Response:
@@ -380,14 +387,18 @@ def create_app(
             "application/json" in request.headers.get("accept", "")
         )
         if not as_json:
-            return Response(encode_record(rec), media_type=MEDIA_TYPE)
-        return JSONResponse({
-            "route_id": route_id, "model": rec.model, "token_ids": rec.token_ids.tolist(),
-            "experts": rec.experts.tolist(), "valid": rec.valid.tolist(),
-            "moe_layers": list(rec.moe_layers), "num_layers": rec.num_layers,
-            "num_experts": rec.num_experts, "prompt_len": rec.prompt_len,
-            "num_cached_tokens": rec.num_cached_tokens, "metadata": rec.metadata,
-        })  # fmt: skip
+            return Response(await asyncio.to_thread(encode_record, rec), media_type=MEDIA_TYPE)
+
+        def as_dict() -> dict[str, Any]:
+            return {
+                "route_id": route_id, "model": rec.model, "token_ids": rec.token_ids.tolist(),
+                "experts": rec.experts.tolist(), "valid": rec.valid.tolist(),
+                "moe_layers": list(rec.moe_layers), "num_layers": rec.num_layers,
+                "num_experts": rec.num_experts, "prompt_len": rec.prompt_len,
+                "num_cached_tokens": rec.num_cached_tokens, "metadata": rec.metadata,
+            }  # fmt: skip
+
+        return JSONResponse(await asyncio.to_thread(as_dict))
 
     @app.delete("/v1/routes/{route_id}")
     async def delete_route(route_id: str) -> dict[str, Any]:

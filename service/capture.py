@@ -70,6 +70,19 @@ class RouteCapture:
             metadata={"request_id": request_id, "choice": fin.index, "finish": fin.finish_reason},
         )
 
+    async def _fill(self, route_id: str, record: RouteRecord, deadline: float) -> RouteRecord:
+        """Best effort: rows the index cannot supply stay marked invalid, and a failing index
+        lookup stores the record as it is rather than failing the route."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                record, filled = await self.store.fill_from_prefix_index(record)
+        except Exception as e:  # the put below decides whether the route is stored
+            log.warning("prefix-index fill for route %s failed, storing unfilled: %r", route_id, e)
+            self.metrics.store_errors.labels(reason="fill_" + type(e).__name__).inc()
+            return record
+        self.metrics.rows_filled.inc(filled)
+        return record
+
     async def capture(
         self, route_id: str, fin: ChoiceFinished, prompt_token_ids: list[int], request_id: str
     ) -> RouteHandle:
@@ -94,16 +107,14 @@ class RouteCapture:
                 record = await asyncio.to_thread(self.build, fin, prompt_token_ids, request_id)
             else:
                 record = self.build(fin, prompt_token_ids, request_id)
+            # One deadline for fill + put, so a capture never takes longer than timeout_s.
+            deadline = asyncio.get_running_loop().time() + self.timeout_s
             # The last sampled token never has a route; anything else missing (an engine that
             # returned rows from an offset, or skipped a cached prefix) is filled from the index.
             if not record.valid[:-1].all():
-                record, filled = await asyncio.wait_for(
-                    self.store.fill_from_prefix_index(record), self.timeout_s
-                )
-                self.metrics.rows_filled.inc(filled)
-            result = await asyncio.wait_for(
-                self.store.put(route_id, record, ttl_s=self.ttl_s), self.timeout_s
-            )
+                record = await self._fill(route_id, record, deadline)
+            async with asyncio.timeout_at(deadline):
+                result = await self.store.put(route_id, record, ttl_s=self.ttl_s)
         except Exception as e:
             log.warning("storing route %s failed: %r", route_id, e)
             handle.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__

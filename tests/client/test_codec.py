@@ -68,6 +68,7 @@ def records(draw: st.DrawFn) -> RouteRecord:
 def test_round_trip_is_exact(record: RouteRecord) -> None:
     out = decode_record(encode_record(record))
     assert out == record
+    assert out.experts.flags.writeable
     assert out.experts.dtype == record.experts.dtype
     assert out.experts.shape == record.experts.shape
 
@@ -196,6 +197,35 @@ def test_record_validation_names_the_problem() -> None:
             num_layers=1,
             num_experts=8,
         )
+
+
+def test_from_engine_refuses_ids_that_do_not_fit() -> None:
+    arr = np.zeros((3, 2, 2), np.int64)
+    arr[1, 1, 0] = 300
+    with pytest.raises(RouteShapeError, match="300"):
+        RouteRecord.from_engine(arr, np.arange(4), prompt_len=2, num_experts=256, moe_layers=[0, 1])
+    arr[1, 1, 0] = -1
+    with pytest.raises(RouteShapeError, match="-1"):
+        RouteRecord.from_engine(arr, np.arange(4), prompt_len=2, num_experts=256, moe_layers=[0, 1])
+    with pytest.raises(RouteShapeError, match="moe_layers"):
+        RouteRecord.from_engine(
+            np.zeros((3, 2, 2), np.uint8),
+            np.arange(4),
+            prompt_len=2,
+            num_experts=8,
+            moe_layers=[0, 2],
+        )
+
+
+def test_crafted_payloads_with_valid_checksums_are_corrupt_errors() -> None:
+    blob = encode_record(_record())
+    base = msgpack.unpackb(blob[16:], raw=False)
+    for field, value in (("E", 70000), ("body", 5), ("moe", ["a"]), ("E", 4.5)):
+        payload = {**base, field: value}
+        body = msgpack.packb(payload, use_bin_type=True)
+        forged = struct.pack("<4sBBHII", b"RRTE", 1, 1, 0, len(body), zlib.crc32(body)) + body
+        with pytest.raises(RouteCorruptError):
+            decode_record(forged)
 
 
 def test_from_engine_drops_dense_layers_by_global_index_and_marks_last_row() -> None:

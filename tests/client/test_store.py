@@ -139,21 +139,87 @@ def test_missing_chunk_is_reported_not_half_read(store: RouteStore, redis_url: s
         store.get(r)
 
 
-def test_ttl_on_every_key(redis_url: str) -> None:
-    s = RouteStore.from_url(
-        redis_url, prefix=f"ttl{uuid.uuid4().hex[:6]}", ttl_s=1000, block_size=8
-    )
+def test_ttl_on_every_key_and_chunks_outlive_manifests(redis_url: str) -> None:
+    p = f"ttl{uuid.uuid4().hex[:6]}"
+    s = RouteStore.from_url(redis_url, prefix=p, ttl_s=1000, block_size=8)
     s.put("a", make_record(np.arange(40), 0))
     raw = redis.Redis.from_url(redis_url)
-    keys = list(raw.scan_iter(f"{s.keys.prefix}:*"))
-    assert len(keys) > 3
-    assert all(0 < raw.ttl(k) <= 1000 for k in keys)
+    keys = list(raw.scan_iter(f"{p}:*"))
+    assert len(keys) > 3 and all(raw.ttl(k) > 0 for k in keys)
+    manifest_ttl = raw.ttl(s.keys.manifest("a"))
+    assert 0 < manifest_ttl <= 1000
+    chunk_ttls = [raw.ttl(k) for k in raw.scan_iter(f"{p}:c:*")]
+    assert min(chunk_ttls) > manifest_ttl  # the margin covers the time a put takes
     # a later put with a longer TTL extends shared chunks so they outlive its manifest
     s.put("b", make_record(np.arange(40), 0), ttl_s=5000)
-    assert all(raw.ttl(k) > 1000 for k in raw.scan_iter(f"{s.keys.prefix}:c:*"))
+    assert all(raw.ttl(k) > 5000 for k in raw.scan_iter(f"{p}:c:*"))
     # ...and a shorter one never shortens them
     s.put("c", make_record(np.arange(40), 0), ttl_s=10)
-    assert all(raw.ttl(k) > 1000 for k in raw.scan_iter(f"{s.keys.prefix}:c:*"))
+    assert all(raw.ttl(k) > 5000 for k in raw.scan_iter(f"{p}:c:*"))
+    with pytest.raises(ValueError, match="ttl_s must be >= 1"):
+        s.put("d", make_record(np.arange(4), 0), ttl_s=0)
+
+
+def test_lost_chunk_with_missing_ok_reports_only_that_record(
+    store: RouteStore, redis_url: str
+) -> None:
+    a, b = rid(), rid()
+    store.put(a, make_record(np.arange(30) + 50_000, 1))
+    store.put(b, make_record(np.arange(30) + 60_000, 1))
+    raw = redis.Redis.from_url(redis_url)
+    blob = raw.get(store.keys.manifest(a))
+    from routereplay.client._layout import parse_manifest
+
+    m = parse_manifest(store.keys, a, blob)
+    raw.delete(m.chunk_keys[1])  # as an eviction would
+    got = store.get_many([a, b], missing_ok=True)
+    assert got[0] is None and got[1] is not None
+    with pytest.raises(RouteCorruptError, match="missing"):
+        store.get_many([a, b])
+
+
+def test_uint16_records_assemble_with_their_own_dtype(store: RouteStore) -> None:
+    def rec(T: int, E: int) -> RouteRecord:
+        rng = np.random.default_rng(T + E)
+        ex = np.argsort(rng.random((T * 2, E)), axis=1)[:, :2].reshape(T, 2, 2)
+        return RouteRecord(
+            token_ids=np.arange(T) + E,
+            experts=ex.astype(np.uint8 if E <= 256 else np.uint16),
+            valid=np.ones(T, bool),
+            moe_layers=[0, 1],
+            num_layers=2,
+            num_experts=E,
+        )
+
+    small, wide, empty = rec(16, 8), rec(32, 300), rec(0, 300)
+    ids = [rid(), rid(), rid()]
+    for i, r in zip(ids, (small, wide, empty), strict=True):
+        store.put(i, r)
+    assert store.get_many(ids) == [small, wide, empty]
+    assert store.get_many(ids[::-1]) == [empty, wide, small]
+    assert store.get(ids[1], start=32).experts.dtype == np.uint16  # no rows left
+
+
+def test_redis_refusals_are_typed_and_short() -> None:
+    import tempfile
+    from pathlib import Path
+
+    from routereplay.client import RouteStoreError
+    from routereplay.client._local_redis import _start, free_port
+
+    with tempfile.TemporaryDirectory() as d:
+        port = free_port()
+        proc = _start(port, Path(d), "--maxmemory", "1mb", "--maxmemory-policy", "noeviction")
+        try:
+            s = RouteStore.from_url(f"redis://127.0.0.1:{port}/0")
+            big = make_record(np.arange(4000) % 1000, 3)
+            with pytest.raises(RouteStoreError, match="OutOfMemoryError") as err:
+                for i in range(200):
+                    s.put(f"oom-{i}", big)
+            assert len(str(err.value)) < 400  # never the chunk bytes the server echoes
+        finally:
+            proc.terminate()
+            proc.wait()
 
 
 def test_prefix_index_fills_rows_an_engine_did_not_return(store: RouteStore) -> None:
