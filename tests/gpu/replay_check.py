@@ -383,8 +383,34 @@ def build_model(args, device) -> list:
     return chunks
 
 
+def adopt_records(args) -> list:
+    """``--route-ids``: replay records a real engine produced (e.g. the routereplay service over
+    vLLM), fetched from Redis. The model takes their shape: layers, MoE layers, experts, top-k,
+    and a vocabulary that holds their token ids. Six ids, in the roles of ``make_records``: two
+    single samples, a GRPO pair (same prompt), and two turns (turn 2 starts with turn 1)."""
+    global NUM_LAYERS, MOE_FREQ, MOE_LAYERS, E, K, V
+    from routereplay.client import RouteStore
+
+    ids = args.route_ids.split(",")
+    if len(ids) != 6:
+        raise SystemExit(f"--route-ids needs 6 ids, got {len(ids)}")
+    store = RouteStore.from_url(args.redis_url, prefix=args.route_prefix)
+    recs = store.get_many(ids)
+    store.close()
+    r0 = recs[0]
+    if any(r.moe_layers != r0.moe_layers or r.top_k != r0.top_k for r in recs):
+        raise SystemExit("--route-ids records come from different model shapes")
+    NUM_LAYERS, MOE_LAYERS = r0.num_layers, tuple(r0.moe_layers)
+    MOE_FREQ = [int(layer in MOE_LAYERS) for layer in range(NUM_LAYERS)]
+    E, K = r0.num_experts, r0.top_k
+    V = max(V, max(int(r.token_ids.max()) for r in recs) + 1)
+    return recs
+
+
 def fetch_records(args, recs):
     """Round trip through Redis (RouteStore.get_many) or, without Redis, the codec."""
+    if args.route_ids:
+        return recs, "engine"
     ids = [f"check-{args.seed}-{i}" for i in range(len(recs))]
     if args.redis_url:
         from routereplay.client import RouteStore
@@ -417,6 +443,8 @@ def main(argv=None) -> int:
     p.add_argument("--redis-url", default="")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--extras", action="store_true", help="also R2 mode, shape and stale checks")
+    p.add_argument("--route-ids", default="", help="6 comma-separated ids to replay from Redis")
+    p.add_argument("--route-prefix", default="rr", help="store prefix of --route-ids")
     args = p.parse_args(argv)
     t_start = time.time()
 
@@ -466,8 +494,10 @@ def main(argv=None) -> int:
         "rank": rank,
         "world": dist.get_world_size(),
         "megatron": megatron.core.__version__,
-        "args": {k: v for k, v in vars(args).items() if k != "redis_url"},
+        "args": {k: v for k, v in vars(args).items() if k not in ("redis_url", "route_ids")},
     }
+    # Engine records set the model's shape, so they are read before the model is built.
+    adopted = adopt_records(args) if args.route_ids else None
     if args.extras:  # a stale model: its RouterReplay instances stay in the global list
         RouterReplay.clear_global_router_replay_instances()
         build_model(args, device)
@@ -483,7 +513,10 @@ def main(argv=None) -> int:
     mine = [MOE_LAYERS.index(x) for x in replayer.layers]  # this rank's rows of the truth
 
     dp_rank = ps.get_data_parallel_rank()
-    recs = make_records(args.seed + 1000 * dp_rank)  # each data-parallel replica its own data
+    if adopted is not None:  # records from a real engine, same data on every replica
+        recs = adopted
+    else:
+        recs = make_records(args.seed + 1000 * dp_rank)  # each data-parallel replica its own data
     recs, source = fetch_records(args, recs)
     result["records_from"] = source
 

@@ -10,8 +10,6 @@ the row order derived from Megatron's own sharding functions. The GPU machine ru
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,39 +19,8 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.megatron
 
 GPU_DIR = Path(__file__).resolve().parents[1] / "gpu"
-SCRIPT = GPU_DIR / "replay_check.py"
 sys.path.insert(0, str(GPU_DIR))
-from summarize import results  # noqa: E402
-
-
-def run_check(nproc: int, *args: str, redis_url: str = "") -> list[dict]:
-    cmd = [sys.executable]
-    if nproc > 1:
-        cmd += [
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            "--master-port",
-            str(_free_port()),
-        ]
-    cmd += [str(SCRIPT), "--device", "cpu", *args]
-    if redis_url:
-        cmd += ["--redis-url", redis_url]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert p.returncode == 0, f"rc={p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
-    res = results(p.stdout)  # ranks share stdout: records may be glued on one line
-    assert len(res) == nproc, p.stdout[-2000:]
-    return res
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from harness import run_check  # noqa: E402
 
 
 def assert_exact(results: list[dict], *, recompute: bool = True) -> None:
