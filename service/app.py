@@ -35,7 +35,13 @@ from routereplay.client import (
 
 from .capture import RouteCapture
 from .engine import EngineBackend, GenerationRequest
-from .errors import InvalidRequestError, NotFoundError, ServiceError, StoreUnavailableError
+from .errors import (
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    ServiceError,
+    StoreUnavailableError,
+)
 from .metrics import ServiceMetrics
 from .protocol import BatchRoutesRequest, ChatCompletionRequest, CompletionRequest
 from .serving import CompletionServer
@@ -114,6 +120,38 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     return None
 
 
+class _InflightIds:
+    """Client-chosen request ids now being served.
+
+    Route ids derive from the request id, so two concurrent requests with one X-Request-Id (a
+    client that timed out and retried while the first still runs) would overwrite each other's
+    routes, and a response's handle could name the other generation's record. A second request
+    with an id in flight gets 409; a retry after the first finished overwrites (idempotent). A
+    claim also lapses after ``max_age_s``, so a stream the server never started cannot hold an id
+    forever.
+    """
+
+    def __init__(self, max_age_s: float) -> None:
+        self.max_age_s = max_age_s
+        self._since: dict[str, float] = {}
+
+    def claim(self, rid: str) -> None:
+        now = time.monotonic()
+        since = self._since.get(rid)
+        if since is not None and now - since < self.max_age_s:
+            raise ConflictError(
+                f"X-Request-Id {rid!r} is already in flight; its routes would overwrite each "
+                "other: wait for it or use a new id",
+                param="X-Request-Id",
+                code="request_id_in_flight",
+            )
+        self._since[rid] = now
+
+    def release(self, rid: str | None) -> None:
+        if rid is not None:
+            self._since.pop(rid, None)
+
+
 class _State:
     """Everything a handler needs, built in the lifespan."""
 
@@ -132,6 +170,8 @@ def create_app(
     settings = settings or Settings()
     metrics = ServiceMetrics()
     st = _State()
+    # A leaked claim (a stream never started) lapses after the longest a request may run.
+    inflight_ids = _InflightIds(settings.upstream_timeout_s + settings.store_timeout_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -235,19 +275,26 @@ def create_app(
         metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
         metrics.latency.labels(endpoint=endpoint).observe(time.perf_counter() - t0)
 
-    async def _measured(body: AsyncIterator[bytes], endpoint: str, t0: float):
+    async def _measured(
+        body: AsyncIterator[bytes], endpoint: str, t0: float, claimed: str | None
+    ) -> AsyncIterator[bytes]:
         # A stream's request ends with its last chunk, not when the handler returns.
         try:
             async for chunk in body:
                 yield chunk
         finally:
+            inflight_ids.release(claimed)
             _done(endpoint, t0, 200)
 
     async def _serve(request: Request, kind: str, model_cls: type, endpoint: str) -> Response:
         t0 = time.perf_counter()
         metrics.inflight.inc()
+        claimed: str | None = None  # released here, or by the stream once it owns it
         try:
             rid = _request_id(request, "chatcmpl" if kind == "chat" else "cmpl")
+            if "x-request-id" in request.headers:  # generated ids are unique already
+                inflight_ids.claim(rid)
+                claimed = rid
             parsed, raw = await _parse_completion(request, model_cls)
             greq = GenerationRequest(
                 kind=kind, request=parsed, request_id=rid,
@@ -258,9 +305,8 @@ def create_app(
             if parsed.stream:
                 prompt_ids, events = await st.server.open(greq)
                 body = st.server.stream(greq, prompt_ids, events)
-                return StreamingResponse(
-                    _measured(body, endpoint, t0), media_type="text/event-stream", headers=headers
-                )
+                stream, claimed = _measured(body, endpoint, t0, claimed), None
+                return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
             result = await _unless_disconnected(request, st.server.complete(greq))
         except ServiceError as e:
             _done(endpoint, t0, e.status_code)
@@ -268,6 +314,8 @@ def create_app(
         except BaseException:
             _done(endpoint, t0, 500)
             raise
+        finally:
+            inflight_ids.release(claimed)
         if result is None:
             # The client closed the request; its engine request was aborted.
             _done(endpoint, t0, 499)

@@ -45,6 +45,13 @@ class NotFoundError(ServiceError):
     type = "not_found_error"
 
 
+class ConflictError(ServiceError):
+    """The request collides with one in flight (a reused X-Request-Id): 409."""
+
+    status_code = 409
+    type = "conflict_error"
+
+
 class EngineUnavailableError(ServiceError):
     """The engine died or is unreachable: 503, so load balancers route around this replica."""
 

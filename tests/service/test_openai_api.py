@@ -226,3 +226,26 @@ def test_client_disconnect_aborts_engine_request(service: Service, stream: bool)
         time.sleep(0.2)
     assert queue_depth(service) == 0, "the abandoned request is still generating"
     assert httpx.get(f"{service.url}/v1/routes/{rid}-0").status_code == 404
+
+
+def test_request_id_in_flight_is_refused_and_reusable_after(service: Service) -> None:
+    """A retry that races the original (same X-Request-Id) would overwrite its routes: 409 while
+    the first is in flight; once it finished, reusing the id is an idempotent overwrite."""
+    body = {
+        "model": service.model, "prompt": "in flight", "max_tokens": 24, "stream": True,
+        **EXTRA,
+    }  # fmt: skip
+    headers = {"X-Request-Id": "dup-inflight"}
+    with httpx.Client(base_url=service.url, timeout=120) as http:
+        with http.stream("POST", "/v1/completions", json=body, headers=headers) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()
+            next(line for line in lines if line.startswith("data: "))  # generation has begun
+            second = http.post("/v1/completions", json={**body, "stream": False}, headers=headers)
+            assert second.status_code == 409, second.text
+            err = second.json()["error"]
+            assert err["param"] == "X-Request-Id" and "in flight" in err["message"]
+            assert any(line == "data: [DONE]" for line in lines)
+        again = http.post("/v1/completions", json={**body, "stream": False}, headers=headers)
+        assert again.status_code == 200, again.text
+        assert again.json()["choices"][0]["routed_experts"]["status"] == "stored"
