@@ -4,20 +4,15 @@ torch.distributed.run; returns each rank's ``RESULT`` record."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from summarize import results
 
+from routereplay.client._local_redis import free_port
+
 SCRIPT = Path(__file__).resolve().parent / "replay_check.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_check(nproc: int, *args: str, redis_url: str = "") -> list[dict]:
@@ -25,7 +20,7 @@ def run_check(nproc: int, *args: str, redis_url: str = "") -> list[dict]:
     if nproc > 1:
         cmd += [
             "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-port", str(_free_port()),
+            "--master-port", str(free_port()),
         ]  # fmt: skip
     cmd += [str(SCRIPT), "--device", "cpu", *args]
     if redis_url:
