@@ -141,7 +141,6 @@ class PutPlan:
 
     route_id: str
     record: RouteRecord
-    lm: np.ndarray  # layer-major [M, T, K], canonicalised if asked
     spans: list[tuple[int, int]]
     chunk_keys: list[str]
     block_rows: list[np.ndarray]  # contiguous [M, b, K] per chunk, reused by the encoder
@@ -207,7 +206,6 @@ def plan_put(
     return PutPlan(
         route_id=route_id,
         record=record,
-        lm=lm,
         spans=spans,
         chunk_keys=[keys.chunk(d) for d in chunk_digests],
         block_rows=block_rows,

@@ -20,9 +20,9 @@ _COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 _BENCHES: dict[str, str] = {
-    "store": "routereplay.client._bench:main",
-    "service": "routereplay.service.bench:main",
-    "trainer": "routereplay.trainer_adapter.bench:main",
+    "store": "routereplay.bench.store:main",
+    "service": "routereplay.bench.service:main",
+    "trainer": "routereplay.bench.trainer:main",
 }
 
 

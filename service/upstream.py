@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,14 @@ from .engine import (
 )
 from .errors import EngineUnavailableError, ServiceError
 from .model_info import ModelInfo, moe_layout
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
 
 __all__ = ["UpstreamBackend", "UpstreamError"]
 
@@ -41,12 +49,15 @@ class UpstreamError(ServiceError):
 
     def __init__(self, status_code: int, body: dict[str, Any]) -> None:
         err = body.get("error") if isinstance(body.get("error"), dict) else {}
-        super().__init__(str(err.get("message") or body), param=err.get("param"))
+        code = err.get("code")
+        # vLLM's codes are HTTP status ints; this service's schema has string codes.
+        super().__init__(
+            str(err.get("message") or body)[:2000],
+            param=err.get("param") if isinstance(err.get("param"), str) else None,
+            code=str(code) if code is not None else f"upstream_{status_code}",
+        )
         self.status_code = status_code
-        self._body = body if err else None
-
-    def body(self) -> dict:
-        return self._body or super().body()
+        self.type = str(err.get("type") or "upstream_error")
 
 
 def _load_config(path: str) -> Any:
@@ -102,6 +113,7 @@ class UpstreamBackend(EngineBackend):
             num_experts=num_experts,
             top_k=top_k,
             max_model_len=int(m.get("max_model_len") or 0) or (1 << 30),
+            root=m.get("root"),
         )
 
     async def close(self) -> None:
@@ -124,16 +136,38 @@ class UpstreamBackend(EngineBackend):
         if r.status_code != 200:
             raise EngineUnavailableError(f"upstream /health answered {r.status_code}")
 
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[EngineEvent]:
+    def generate_chat(
+        self, req: GenerationRequest[ChatCompletionRequest]
+    ) -> AsyncIterator[EngineEvent]:
+        return self._forward(req, "/v1/chat/completions", _chat_text)
+
+    def generate_completion(
+        self, req: GenerationRequest[CompletionRequest]
+    ) -> AsyncIterator[EngineEvent]:
+        return self._forward(req, "/v1/completions", _completion_text)
+
+    async def tokenize(
+        self, req: TokenizeCompletionRequest | TokenizeChatRequest
+    ) -> TokenizeResponse:
+        data = await self._post("/tokenize", self._body(req))
+        return TokenizeResponse.model_validate(
+            {k: data.get(k) for k in ("count", "max_model_len", "tokens", "token_strs")}
+        )
+
+    async def detokenize(self, req: DetokenizeRequest) -> str:
+        return str((await self._post("/detokenize", self._body(req)))["prompt"])
+
+    def _body(self, req: Any) -> dict[str, Any]:
+        """The request as the client sent it (extensions included), for the upstream's model."""
+        body = {k: v for k, v in req.model_dump(exclude_unset=True).items() if k not in _OWN_FIELDS}
+        body["model"] = self.upstream_model
+        return body
+
+    async def _post(self, path: str, body: dict[str, Any], **kw: Any) -> Any:
+        """POST to the upstream; its JSON answer, or its error relayed with its status."""
         assert self.client is not None
-        chat = req.kind == "chat"
-        body = {k: v for k, v in req.raw.items() if k not in _OWN_FIELDS}
-        body.update(model=self.upstream_model, stream=False, return_token_ids=True)
-        path = "/v1/chat/completions" if chat else "/v1/completions"
         try:
-            r = await self.client.post(
-                path, json=body, headers={"X-Request-Id": req.engine_request_id}
-            )
+            r = await self.client.post(path, json=body, **kw)
         except httpx.HTTPError as e:
             raise EngineUnavailableError(
                 f"upstream {self.url} failed: {e!r}", code="upstream_unreachable"
@@ -144,6 +178,14 @@ class UpstreamBackend(EngineBackend):
             data = {"error": {"message": r.text[:500], "type": "upstream_error"}}
         if r.status_code >= 400:
             raise UpstreamError(r.status_code, data)
+        return data
+
+    async def _forward(
+        self, req: GenerationRequest, path: str, text_of: Callable[[dict[str, Any]], str | None]
+    ) -> AsyncIterator[EngineEvent]:
+        body = self._body(req.request)
+        body.update(stream=False, return_token_ids=True)
+        data = await self._post(path, body, headers={"X-Request-Id": req.engine_request_id})
         cached = ((data.get("usage") or {}).get("prompt_tokens_details") or {}).get(
             "cached_tokens"
         ) or 0
@@ -158,16 +200,20 @@ class UpstreamBackend(EngineBackend):
                 code="upstream_incompatible",
             )
         yield PromptRendered(prompt_token_ids=list(prompt_ids))
+        row_start = req.request.routed_experts_prompt_start
         for c in choices:
-            text = (c.get("message") or {}).get("content") if chat else c.get("text")
             out_ids = list(c.get("token_ids") or [])
             yield ChoiceDelta(
-                index=c["index"], text=text or "", token_ids=out_ids, raw_logprobs=c.get("logprobs")
+                index=c["index"],
+                text=text_of(c) or "",
+                token_ids=out_ids,
+                raw_logprobs=c.get("logprobs"),
             )
             b64 = c.get("routed_experts")
             arr = None
             if b64:
-                arr = np.load(io.BytesIO(base64.b64decode(b64)), allow_pickle=False)
+                # A long sequence's inline array is MBs of base64: decode off the event loop.
+                arr = await asyncio.to_thread(_decode_npy, b64)
             yield ChoiceFinished(
                 index=c["index"],
                 finish_reason=c.get("finish_reason") or "stop",
@@ -175,9 +221,23 @@ class UpstreamBackend(EngineBackend):
                 output_token_ids=out_ids,
                 num_cached_tokens=int(cached),
                 routed_experts=arr,
-                routes_row_start=int(req.raw.get("routed_experts_prompt_start") or 0),
-                routes_error=None if b64 else (
+                routes_row_start=row_start,
+                routes_error=None
+                if b64
+                else (
                     "the upstream returned no routed_experts (is it started with "
                     "--enable-return-routed-experts?)"
                 ),
-            )  # fmt: skip
+            )
+
+
+def _chat_text(choice: dict[str, Any]) -> str | None:
+    return (choice.get("message") or {}).get("content")
+
+
+def _completion_text(choice: dict[str, Any]) -> str | None:
+    return choice.get("text")
+
+
+def _decode_npy(b64: str) -> np.ndarray:
+    return np.load(io.BytesIO(base64.b64decode(b64)), allow_pickle=False)

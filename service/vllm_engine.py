@@ -20,9 +20,18 @@ from .engine import (
     GenerationRequest,
     PromptRendered,
     TokenLogprob,
+    check_engine_fields,
 )
 from .errors import EngineUnavailableError, InvalidRequestError
 from .model_info import ModelInfo, moe_layout
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
 
 __all__ = ["VllmBackend", "on_cpu_host"]
 
@@ -30,9 +39,23 @@ log = logging.getLogger("routereplay.service")
 
 # OpenAI sampling fields that map 1:1 onto vllm.SamplingParams.
 _PASS_THROUGH = (
-    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-    "presence_penalty", "frequency_penalty", "repetition_penalty",
-)  # fmt: skip
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+)
 
 
 def on_cpu_host() -> bool:
@@ -78,24 +101,6 @@ def _client_error(e: Exception, request: Any) -> InvalidRequestError:
     if param and not msg.startswith(param):
         msg = f"{param}: {msg}"
     return InvalidRequestError(msg, param=param)
-
-
-def _refuse_unsupported(raw: dict[str, Any]) -> None:
-    """400 for OpenAI features this backend would otherwise silently ignore."""
-    rf = raw.get("response_format")
-    unsupported = {
-        "tools": bool(raw.get("tools")),
-        "functions": bool(raw.get("functions")),
-        "tool_choice": raw.get("tool_choice") not in (None, "none"),
-        "response_format": isinstance(rf, dict) and rf.get("type") not in (None, "text"),
-    }
-    for field, present in unsupported.items():
-        if present:
-            raise InvalidRequestError(
-                f"{field} is not supported by the in-process backend (use backend=upstream "
-                "in front of a vLLM server configured for it)",
-                param=field,
-            )
 
 
 class VllmBackend(EngineBackend):
@@ -169,6 +174,7 @@ class VllmBackend(EngineBackend):
             num_experts=num_experts,
             top_k=top_k,
             max_model_len=int(self.engine.model_config.max_model_len),
+            root=self.model,
         )
         self._tokenizer = self.engine.get_tokenizer()
 
@@ -193,12 +199,13 @@ class VllmBackend(EngineBackend):
         return -1 if self.engine is None else int(self.engine.get_num_unfinished_requests())
 
     # -- request path ------------------------------------------------------------------------------
-    def _sampling_params(self, req: GenerationRequest, prompt_len: int) -> Any:
+    def _sampling_params(
+        self, r: ChatCompletionRequest | CompletionRequest, prompt_len: int
+    ) -> Any:
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
-        r = req.request
         field = r.max_tokens_field
         room = self.info.max_model_len - prompt_len
         max_tokens = r.requested_max_tokens
@@ -217,6 +224,9 @@ class VllmBackend(EngineBackend):
                 param="routed_experts_prompt_start",
             )
         kw = {k: getattr(r, k) for k in _PASS_THROUGH if getattr(r, k) is not None}
+        if r.logit_bias is not None:
+            # JSON object keys are strings; SamplingParams validates int token ids.
+            kw["logit_bias"] = {int(t): b for t, b in r.logit_bias.items()}
         try:
             return SamplingParams(
                 n=r.n,
@@ -232,46 +242,127 @@ class VllmBackend(EngineBackend):
         except (VLLMClientError, ValueError) as e:
             raise _client_error(e, r) from e
 
-    async def _render(self, req: GenerationRequest) -> Any:
+    @staticmethod
+    def _chat_params(
+        messages: list[Any],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        template_kwargs: dict[str, Any] | None,
+    ) -> tuple[list[dict[str, Any]], Any]:
+        from vllm.renderers.params import ChatParams
+
+        kwargs = dict(template_kwargs or {})
+        # The explicit fields win over the same names inside chat_template_kwargs.
+        kwargs.update(
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+        conversation = [m.model_dump(exclude_unset=True) for m in messages]
+        return conversation, ChatParams(chat_template_kwargs=kwargs)
+
+    async def _render(self, render: Any, field: str) -> Any:
         from vllm.exceptions import VLLMValidationError
 
-        renderer = self.engine.renderer
         try:
-            if req.kind == "chat":
-                from vllm.renderers.params import ChatParams
-
-                kwargs = {"add_generation_prompt": True}
-                kwargs.update(getattr(req.request, "chat_template_kwargs", None) or {})
-                _, prompts = await renderer.render_chat_async(
-                    [req.request.messages], ChatParams(chat_template_kwargs=kwargs)
-                )
-            else:
-                p = req.request.prompt
-                prompts = await renderer.render_cmpl_async(
-                    [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)}]
-                )
-        except (VLLMValidationError, ValueError, TypeError) as e:
-            field = "messages" if req.kind == "chat" else "prompt"
+            return await render
+        except (VLLMValidationError, ValueError, TypeError, KeyError) as e:
             raise InvalidRequestError(f"{field}: {e}", param=field) from e
-        return prompts[0]
 
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[EngineEvent]:
+    def _tok_params(self, add_special_tokens: bool, max_total: int | None) -> Any:
+        from vllm.renderers.params import TokenizeParams
+
+        return TokenizeParams(max_total_tokens=max_total, add_special_tokens=add_special_tokens)
+
+    def generate_chat(
+        self, req: GenerationRequest[ChatCompletionRequest]
+    ) -> AsyncIterator[EngineEvent]:
+        r = req.request
+        conversation, params = self._chat_params(
+            r.messages, r.add_generation_prompt, r.continue_final_message, r.chat_template_kwargs
+        )
+
+        async def render() -> Any:
+            # No context limit here: the length check below names the field and the numbers.
+            _, prompts = await self.engine.renderer.render_chat_async(
+                [conversation], params, self._tok_params(r.add_special_tokens, None)
+            )
+            return prompts[0]
+
+        return self._generate(req, render, "messages")
+
+    def generate_completion(
+        self, req: GenerationRequest[CompletionRequest]
+    ) -> AsyncIterator[EngineEvent]:
+        r = req.request
+        p = r.prompt
+
+        async def render() -> Any:
+            prompt = {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)}
+            prompts = await self.engine.renderer.render_cmpl_async(
+                [prompt], self._tok_params(r.add_special_tokens, None)
+            )
+            return prompts[0]
+
+        return self._generate(req, render, "prompt")
+
+    async def tokenize(
+        self, req: TokenizeCompletionRequest | TokenizeChatRequest
+    ) -> TokenizeResponse:
+        self._check_alive()
+        renderer = self.engine.renderer
+        tok_params = self._tok_params(req.add_special_tokens, None)
+        if isinstance(req, TokenizeChatRequest):
+            conversation, params = self._chat_params(
+                req.messages,
+                req.add_generation_prompt,
+                req.continue_final_message,
+                req.chat_template_kwargs,
+            )
+            _, prompts = await self._render(
+                renderer.render_chat_async([conversation], params, tok_params), "messages"
+            )
+        else:
+            prompts = await self._render(
+                renderer.render_cmpl_async([{"prompt": req.prompt}], tok_params), "prompt"
+            )
+        ids = list(prompts[0]["prompt_token_ids"])
+        strs = self._tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return TokenizeResponse(
+            count=len(ids), max_model_len=self.info.max_model_len, tokens=ids, token_strs=strs
+        )
+
+    async def detokenize(self, req: DetokenizeRequest) -> str:
+        self._check_alive()
+        vocab = len(self._tokenizer)
+        for i, t in enumerate(req.tokens):
+            if t >= vocab:
+                raise InvalidRequestError(
+                    f"tokens[{i}]: token id {t} is outside the vocabulary of {vocab}",
+                    param=f"tokens[{i}]",
+                )
+        return self._tokenizer.decode(req.tokens)
+
+    def _check_alive(self) -> None:
+        if self.dead:
+            raise EngineUnavailableError("engine is dead", code="engine_dead")
+
+    async def _generate(
+        self, req: GenerationRequest, render: Any, field: str
+    ) -> AsyncIterator[EngineEvent]:
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
-        if self.dead:
-            raise EngineUnavailableError("engine is dead", code="engine_dead")
-        _refuse_unsupported(req.raw)
-        prompt = await self._render(req)
+        self._check_alive()
+        check_engine_fields(req.request)
+        prompt = await self._render(render(), field)
         prompt_ids = list(prompt["prompt_token_ids"])
-        field = "messages" if req.kind == "chat" else "prompt"
         if len(prompt_ids) >= self.info.max_model_len:
             raise InvalidRequestError(
                 f"{field} has {len(prompt_ids)} tokens; the model's context is "
                 f"{self.info.max_model_len} tokens",
                 param=field,
             )
-        params = self._sampling_params(req, len(prompt_ids))
+        params = self._sampling_params(req.request, len(prompt_ids))
         n = params.n
         outputs = self.engine.generate(prompt, params, req.engine_request_id)
         # The engine validates some parameters only on submit (e.g. n > 1 with greedy sampling):

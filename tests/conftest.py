@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
-from routereplay.client._local_redis import redis_cluster, redis_server
+from routereplay.local_redis import redis_cluster, redis_server
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +22,17 @@ def redis_cluster_url() -> Iterator[str]:
     """URL of one node of a private 3-master Redis Cluster for the whole test session."""
     with redis_cluster(3) as url:
         yield url
+
+
+@pytest.fixture()
+def closing() -> Iterator[Callable[[Any], Any]]:
+    """``closing(client) -> client``, closed when the test ends (clients a test opens inline)."""
+    opened: list[Any] = []
+
+    def add(client: Any) -> Any:
+        opened.append(client)
+        return client
+
+    yield add
+    for client in reversed(opened):
+        client.close()

@@ -17,7 +17,7 @@ from typing import Literal
 
 import numpy as np
 
-from routereplay.client._record import RouteRecord
+from routereplay.client import RouteRecord
 
 from .errors import RouteAlignmentError, TokenMismatchError
 

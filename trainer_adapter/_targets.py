@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from routereplay.client._record import RouteRecord, expert_dtype
+from routereplay.client import RouteRecord, expert_dtype
 
 from ._position_map import PositionMap
 from .errors import RouteLayerMismatchError, TargetShapeError

@@ -4,7 +4,7 @@ and what was expected, so a drifted tokenizer or a misconfigured model is found 
 
 from __future__ import annotations
 
-from routereplay.client._errors import RouteError, RouteShapeError
+from routereplay.client import RouteError, RouteShapeError
 
 __all__ = [
     "ReplayConfigError",

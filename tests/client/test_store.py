@@ -96,13 +96,15 @@ def test_grpo_group_shares_prompt_chunks(store: RouteStore, redis_url: str) -> N
     assert sum(r.bytes_written for r in results[1:]) < 0.7 * results[0].bytes_written * 7
 
 
-def test_get_many_fetches_each_shared_chunk_once(store: RouteStore, redis_url: str) -> None:
+def test_get_many_fetches_each_shared_chunk_once(
+    closing, store: RouteStore, redis_url: str
+) -> None:
     prompt = np.arange(48)
     recs = [make_record(np.concatenate([prompt, [500 + i] * 10]), 4) for i in range(5)]
     ids = [rid() for _ in recs]
     for i, r in zip(ids, recs, strict=True):
         store.put(i, r)
-    mon = redis.Redis.from_url(redis_url)
+    mon = closing(redis.Redis.from_url(redis_url))
     before = mon.info("commandstats").get("cmdstat_get", {}).get("calls", 0)
     got = store.get_many(ids)
     after = mon.info("commandstats").get("cmdstat_get", {}).get("calls", 0)
@@ -125,10 +127,12 @@ def test_missing_ids(store: RouteStore) -> None:
         store.get("has space")
 
 
-def test_missing_chunk_is_reported_not_half_read(store: RouteStore, redis_url: str) -> None:
+def test_missing_chunk_is_reported_not_half_read(
+    closing, store: RouteStore, redis_url: str
+) -> None:
     r = rid()
     store.put(r, make_record(np.arange(40) + 7000, 9))
-    raw = redis.Redis.from_url(redis_url)
+    raw = closing(redis.Redis.from_url(redis_url))
     chunk = next(iter(raw.scan_iter(f"{store.keys.prefix}:c:*")))
     # find a chunk of this record: delete all chunks of a fresh prefix to be sure
     keys = [k for k in raw.scan_iter(f"{store.keys.prefix}:c:*")]
@@ -139,11 +143,11 @@ def test_missing_chunk_is_reported_not_half_read(store: RouteStore, redis_url: s
         store.get(r)
 
 
-def test_ttl_on_every_key_and_chunks_outlive_manifests(redis_url: str) -> None:
+def test_ttl_on_every_key_and_chunks_outlive_manifests(closing, redis_url: str) -> None:
     p = f"ttl{uuid.uuid4().hex[:6]}"
-    s = RouteStore.from_url(redis_url, prefix=p, ttl_s=1000, block_size=8)
+    s = closing(RouteStore.from_url(redis_url, prefix=p, ttl_s=1000, block_size=8))
     s.put("a", make_record(np.arange(40), 0))
-    raw = redis.Redis.from_url(redis_url)
+    raw = closing(redis.Redis.from_url(redis_url))
     keys = list(raw.scan_iter(f"{p}:*"))
     assert len(keys) > 3 and all(raw.ttl(k) > 0 for k in keys)
     manifest_ttl = raw.ttl(s.keys.manifest("a"))
@@ -161,12 +165,12 @@ def test_ttl_on_every_key_and_chunks_outlive_manifests(redis_url: str) -> None:
 
 
 def test_lost_chunk_with_missing_ok_reports_only_that_record(
-    store: RouteStore, redis_url: str
+    closing, store: RouteStore, redis_url: str
 ) -> None:
     a, b = rid(), rid()
     store.put(a, make_record(np.arange(30) + 50_000, 1))
     store.put(b, make_record(np.arange(30) + 60_000, 1))
-    raw = redis.Redis.from_url(redis_url)
+    raw = closing(redis.Redis.from_url(redis_url))
     blob = raw.get(store.keys.manifest(a))
     from routereplay.client._layout import parse_manifest
 
@@ -200,18 +204,18 @@ def test_uint16_records_assemble_with_their_own_dtype(store: RouteStore) -> None
     assert store.get(ids[1], start=32).experts.dtype == np.uint16  # no rows left
 
 
-def test_redis_refusals_are_typed_and_short() -> None:
+def test_redis_refusals_are_typed_and_short(closing) -> None:
     import tempfile
     from pathlib import Path
 
     from routereplay.client import RouteStoreError
-    from routereplay.client._local_redis import _start, free_port
+    from routereplay.local_redis import _start, free_port
 
     with tempfile.TemporaryDirectory() as d:
         port = free_port()
         proc = _start(port, Path(d), "--maxmemory", "1mb", "--maxmemory-policy", "noeviction")
         try:
-            s = RouteStore.from_url(f"redis://127.0.0.1:{port}/0")
+            s = closing(RouteStore.from_url(f"redis://127.0.0.1:{port}/0"))
             big = make_record(np.arange(4000) % 1000, 3)
             with pytest.raises(RouteStoreError, match="OutOfMemoryError") as err:
                 for i in range(200):
@@ -276,15 +280,15 @@ def test_concurrent_writers_of_one_prefix(store: RouteStore) -> None:
     assert all(g == r for g, r in zip(store.get_many(ids), recs, strict=True))
 
 
-def test_connection_error_is_typed() -> None:
-    s = RouteStore.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5)
+def test_connection_error_is_typed(closing) -> None:
+    s = closing(RouteStore.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5))
     with pytest.raises(RouteConnectionError, match=r"127\.0\.0\.1:1"):
         s.get("x")
 
 
-async def test_async_store_mirrors_sync(redis_url: str) -> None:
+async def test_async_store_mirrors_sync(closing, redis_url: str) -> None:
     prefix = f"as{uuid.uuid4().hex[:6]}"
-    sync = RouteStore.from_url(redis_url, prefix=prefix, block_size=16)
+    sync = closing(RouteStore.from_url(redis_url, prefix=prefix, block_size=16))
     async with AsyncRouteStore.from_url(redis_url, prefix=prefix, block_size=16) as store:
         big = make_record(np.arange(3000) % 997, 7)
         recs = [make_record(np.arange(50) + i, 8) for i in range(3)] + [big]
@@ -331,11 +335,11 @@ def test_large_record_through_async_worker_thread(redis_url: str) -> None:
 
 
 @pytest.mark.cluster
-def test_cluster_sync_and_async(redis_cluster_url: str) -> None:
+def test_cluster_sync_and_async(closing, redis_cluster_url: str) -> None:
     import asyncio
 
     url = redis_cluster_url.replace("redis://", "redis+cluster://")
-    store = RouteStore.from_url(url, block_size=16)
+    store = closing(RouteStore.from_url(url, block_size=16))
     prompt = np.arange(64)
     recs = [make_record(np.concatenate([prompt, [i] * 30]), 11) for i in range(6)]
     ids = [rid() for _ in recs]

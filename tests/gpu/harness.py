@@ -10,7 +10,7 @@ from pathlib import Path
 
 from summarize import results
 
-from routereplay.client._local_redis import free_port
+from routereplay.local_redis import free_port
 
 SCRIPT = Path(__file__).resolve().parent / "replay_check.py"
 

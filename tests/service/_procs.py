@@ -1,11 +1,11 @@
-"""Command lines of the servers the service tests start (see routereplay.service._procs)."""
+"""Command lines of the servers the service tests start (see routereplay.bench.servers)."""
 
 from __future__ import annotations
 
 import sys
 
-from routereplay.client._local_redis import free_port
-from routereplay.service._procs import engine_env, server_process, stop_process
+from routereplay.bench.servers import engine_env, server_process, stop_process
+from routereplay.local_redis import free_port
 
 __all__ = [
     "engine_env", "free_port", "process", "serve_argv", "stop", "vllm_serve_argv",

@@ -24,26 +24,73 @@ from ._procs import engine_env, free_port, process, serve_argv, stop, vllm_serve
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def upstream(dense_first_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    port = free_port()
-    log = tmp_path_factory.mktemp("upstream") / "vllm.log"
-    argv = vllm_serve_argv(str(dense_first_model), port, "--served-model-name", "dense-first")
-    with process(argv, f"http://127.0.0.1:{port}/v1/models", log, engine_env()) as proc:
-        yield proc, f"http://127.0.0.1:{port}"
+class Upstream:
+    """A ``vllm serve`` on a fixed port that a test may kill; the next test that needs it alive
+    starts it again on the same port (so no test depends on running before the killing one)."""
+
+    def __init__(self, model: Path, log_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = model
+        self.log_dir = log_dir
+        self.starts = 0
+        self._cm = None
+        self.proc = None
+
+    def ensure_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        self.close()
+        self.starts += 1
+        argv = vllm_serve_argv(str(self.model), self.port, "--served-model-name", "dense-first")
+        log = self.log_dir / f"vllm-{self.starts}.log"
+        self._cm = process(argv, f"{self.url}/v1/models", log, engine_env())
+        self.proc = self._cm.__enter__()
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+
+    def close(self) -> None:
+        if self._cm is not None:
+            self._cm.__exit__(None, None, None)
+            self._cm = None
 
 
 @pytest.fixture(scope="module")
-def front(upstream, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    _, up_url = upstream
+def upstream_server(dense_first_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    up = Upstream(dense_first_model, tmp_path_factory.mktemp("upstream"))
+    up.ensure_alive()
+    try:
+        yield up
+    finally:
+        up.close()
+
+
+@pytest.fixture()
+def upstream(upstream_server: Upstream) -> Upstream:
+    upstream_server.ensure_alive()
+    return upstream_server
+
+
+@pytest.fixture(scope="module")
+def front_server(
+    upstream_server: Upstream, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     port = free_port()
     log = tmp_path_factory.mktemp("front") / "serve.log"
     argv = serve_argv(
-        "--backend", "upstream", "--upstream-url", up_url, "--port", str(port),
+        "--backend", "upstream", "--upstream-url", upstream_server.url, "--port", str(port),
         "--redis-url", redis_url, "--route-prefix", "up", "--log-level", "warning",
     )  # fmt: skip
     with process(argv, f"http://127.0.0.1:{port}/ready", log, engine_env()):
         yield f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture()
+def front(front_server: str, upstream: Upstream) -> str:
+    """The routereplay front, with its upstream alive."""
+    return front_server
 
 
 def route(front: str, route_id: str):
@@ -59,11 +106,11 @@ def test_models_report_dense_layout(front: str) -> None:
                                    "top_k": 2}  # fmt: skip
 
 
-def test_chat_n2_routes_equal_upstream_inline(front: str, upstream) -> None:
-    _, up_url = upstream
+def test_chat_n2_routes_equal_upstream_inline(closing, front: str, upstream: Upstream) -> None:
+    up_url = upstream.url
     body = {"model": "dense-first", "messages": [{"role": "user", "content": "dense first"}],
             "max_tokens": 6, "n": 2, "temperature": 1.0, "seed": 17}  # fmt: skip
-    client = openai.OpenAI(base_url=front + "/v1", api_key="x", max_retries=0)
+    client = closing(openai.OpenAI(base_url=front + "/v1", api_key="x", max_retries=0))
     r = client.chat.completions.create(
         **body, extra_body={"ignore_eos": True}, extra_headers={"X-Request-Id": "up-chat"}
     )
@@ -89,8 +136,8 @@ def test_chat_n2_routes_equal_upstream_inline(front: str, upstream) -> None:
         assert isinstance(h, dict) and len(str(h)) < 1024
 
 
-def test_completion_streaming_through_upstream(front: str) -> None:
-    client = openai.OpenAI(base_url=front + "/v1", api_key="x", max_retries=0)
+def test_completion_streaming_through_upstream(closing, front: str) -> None:
+    client = closing(openai.OpenAI(base_url=front + "/v1", api_key="x", max_retries=0))
     chunks = list(
         client.completions.create(
             model="dense-first", prompt="stream via upstream", max_tokens=5, stream=True,
@@ -113,15 +160,15 @@ def test_upstream_errors_are_relayed(front: str) -> None:
         headers={"X-Request-Id": "up-too-long"}, timeout=60,
     )  # fmt: skip
     assert r.status_code == 400
-    assert set(r.json()["error"]) >= {"message", "type"}
+    e = r.json()["error"]
+    assert set(e) == {"message", "type", "param", "code"} and isinstance(e["code"], str)
     assert httpx.get(f"{front}/v1/routes/up-too-long-0").status_code == 404
     r = httpx.post(f"{front}/v1/completions", json={"model": "nope", "prompt": "a"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
-def test_upstream_death_is_reported_not_hung(front: str, upstream) -> None:
-    proc, _ = upstream
-    stop(proc)  # last test of the module: the upstream engine is gone
+def test_upstream_death_is_reported_not_hung(front: str, upstream: Upstream) -> None:
+    upstream.kill()
     t0 = time.monotonic()
     r = httpx.post(
         f"{front}/v1/completions",
@@ -131,3 +178,12 @@ def test_upstream_death_is_reported_not_hung(front: str, upstream) -> None:
     assert r.status_code == 503 and r.json()["error"]["type"] == "engine_unavailable"
     ready = httpx.get(f"{front}/ready")
     assert ready.status_code == 503 and "engine" in ready.json()
+
+
+def test_tokenize_is_forwarded(front: str, upstream: Upstream) -> None:
+    body = {"messages": [{"role": "user", "content": "count me"}]}
+    mine = httpx.post(f"{front}/tokenize", json=body, timeout=30).json()
+    theirs = httpx.post(f"{upstream.url}/tokenize", json=body, timeout=30).json()
+    assert mine["tokens"] == theirs["tokens"] and mine["count"] == theirs["count"]
+    text = httpx.post(f"{front}/detokenize", json={"tokens": mine["tokens"]}, timeout=30).json()
+    assert "count me" in text["prompt"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from routereplay.trainer_adapter.bench import main
+from routereplay.bench.trainer import main
 
 
 def test_bench_trainer_small(redis_url, capsys):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from .cpu_setup import cpu_engine_env
+from routereplay.service.cpu_setup import cpu_engine_env
 
 __all__ = ["engine_env", "server_process", "stop_process"]
 

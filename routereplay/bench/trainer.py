@@ -83,9 +83,7 @@ def run(url: str, args) -> dict:
     import torch
 
     from routereplay.client import RouteStore
-
-    from ._position_map import sample_from_record, thd_position_map
-    from ._targets import gather_targets
+    from routereplay.trainer_adapter import gather_targets, sample_from_record, thd_position_map
 
     torch.set_num_threads(1)
     rng = np.random.default_rng(args.seed)
@@ -167,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.redis_url:
         res = run(args.redis_url, args)
     else:
-        from routereplay.client._local_redis import redis_server
+        from routereplay.local_redis import redis_server
 
         with redis_server() as url:
             res = run(url, args)

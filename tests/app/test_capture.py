@@ -29,7 +29,7 @@ def _finished(prompt: list[int], out: list[int], row_start: int = 0) -> ChoiceFi
     )  # fmt: skip
 
 
-async def test_corrupt_prefix_index_is_best_effort(redis_url: str) -> None:
+async def test_corrupt_prefix_index_is_best_effort(closing, redis_url: str) -> None:
     prefix = f"cap{uuid.uuid4().hex[:6]}"
     async with AsyncRouteStore.from_url(redis_url, prefix=prefix, block_size=4) as store:
         cap = RouteCapture(store, INFO, ServiceMetrics(), timeout_s=10)
@@ -38,7 +38,7 @@ async def test_corrupt_prefix_index_is_best_effort(redis_url: str) -> None:
         assert first.status == "stored"
         # Corrupt every chunk the index points at; a later request that skipped the cached
         # prefix (rows from 8 on) must still be stored, with the unfillable rows invalid.
-        raw = redis.Redis.from_url(redis_url)
+        raw = closing(redis.Redis.from_url(redis_url))
         for key in raw.scan_iter(f"{prefix}:c:*"):
             raw.set(key, b"RRTE garbage", keepttl=True)
         second = await cap.capture("b-0", _finished(prompt, [3, 4, 5], row_start=8), prompt, "b")

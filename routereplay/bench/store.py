@@ -18,10 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._codec import decode_record, encode_record
-from ._local_redis import redis_server
-from ._record import RouteRecord, expert_dtype
-from ._store import RouteStore
+from routereplay.client import RouteRecord, RouteStore, decode_record, encode_record, expert_dtype
+from routereplay.local_redis import redis_server
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from routereplay.client._local_redis import free_port, redis_server
+from routereplay.local_redis import free_port, redis_server
 
-from ._procs import server_process
+from .servers import server_process
 
 __all__ = ["main"]
 
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = args.model
     if model is None:
-        from .tiny_model import ensure_tiny_model
+        from routereplay.service.tiny_model import ensure_tiny_model
 
         model = str(ensure_tiny_model("moe"))
     name = "bench-model"

@@ -1,0 +1,16 @@
+"""HTTP routers, one module per concern; each handler is a few lines that call a serving class.
+
+- ``completions``: ``POST /v1/chat/completions``, ``POST /v1/completions``
+  -> ``serving.completions`` (ServingChat, ServingCompletion)
+- ``models``: ``GET /v1/models[/{id}]``, ``POST /tokenize``, ``POST /detokenize``
+  -> ``serving.models`` (ServingModels)
+- ``routes``: ``GET``/``DELETE /v1/routes/{id}``, ``POST /v1/routes:batch``
+  -> ``serving.routes`` (ServingRoutes)
+- ``probes``: ``GET /health``, ``GET /ready``, ``GET /metrics`` (a few lines each, inline)
+"""
+
+from . import completions, models, probes, routes
+
+ROUTERS = [completions.router, models.router, routes.router, probes.router]
+
+__all__ = ["ROUTERS"]

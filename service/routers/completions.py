@@ -1,0 +1,55 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI-compatible)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import Response
+
+from ..errors import error_responses
+from ..protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+)
+from ..request_ids import REQUEST_ID_PATTERN
+from ..state import service_state
+
+router = APIRouter(tags=["OpenAI"])
+
+RequestIdHeader = Annotated[
+    str | None,
+    Header(
+        alias="X-Request-Id",
+        description=f"`{REQUEST_ID_PATTERN}`; the response id, and route ids are "
+        "`<id>-<choice>`. Generated when absent; 409 while another request with it is in flight.",
+    ),
+]
+_ERRORS = error_responses(400, 404, 409, 503)
+_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+
+
+@router.post(
+    "/v1/chat/completions",
+    responses={200: {"model": ChatCompletionResponse, "content": _SSE}, **_ERRORS},
+    response_class=Response,
+)
+async def create_chat_completion(
+    request: ChatCompletionRequest, raw_request: Request, x_request_id: RequestIdHeader = None
+) -> Response:
+    """A chat completion; each choice's routed experts stored, a handle in its place."""
+    return await service_state(raw_request).chat.create(request, raw_request, x_request_id)
+
+
+@router.post(
+    "/v1/completions",
+    responses={200: {"model": CompletionResponse, "content": _SSE}, **_ERRORS},
+    response_class=Response,
+)
+async def create_completion(
+    request: CompletionRequest, raw_request: Request, x_request_id: RequestIdHeader = None
+) -> Response:
+    """A text completion; each choice's routed experts stored, a handle in its place."""
+    return await service_state(raw_request).completion.create(request, raw_request, x_request_id)

@@ -1,0 +1,565 @@
+"""Serving chat and text completions: one request -> engine events -> JSON body or SSE stream.
+
+:class:`ServingChat` and :class:`ServingCompletion` share the request policy (request ids, model
+check, metrics, client disconnects) and the capture of every finished choice's routes in
+:class:`_ServingGeneration`; each fills in what differs between the two APIs (the engine call, the
+choice and chunk shapes, the logprobs format), as vLLM keeps one serving class per API.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..capture import RouteCapture, npy_base64
+from ..engine import (
+    ChoiceDelta,
+    ChoiceFinished,
+    EngineBackend,
+    EngineEvent,
+    GenerationRequest,
+    PromptRendered,
+    TokenLogprob,
+)
+from ..errors import (
+    EngineUnavailableError,
+    InvalidRequestError,
+    NotFoundError,
+    ServiceError,
+)
+from ..metrics import ServiceMetrics
+from ..protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    RouteHandle,
+    Usage,
+)
+from ..request_ids import RequestIds
+
+__all__ = ["ServingChat", "ServingCompletion"]
+
+log = logging.getLogger("routereplay.service")
+
+R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
+
+
+@dataclass
+class _Choice:
+    """What one choice has produced so far."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    raw_logprobs: dict[str, Any] | None = None
+    text_len: int = 0
+    started: bool = False  # a chunk of this choice was sent (streaming)
+    finish: ChoiceFinished | None = None
+
+    def add(self, ev: ChoiceDelta) -> None:
+        self.text.append(ev.text)
+        self.token_ids.extend(ev.token_ids)
+        if ev.logprobs:
+            self.logprobs.extend(ev.logprobs)
+        if ev.raw_logprobs is not None:
+            self.raw_logprobs = _merge_raw_logprobs(self.raw_logprobs, ev.raw_logprobs)
+
+
+def _merge_raw_logprobs(acc: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    if acc is None:
+        return new
+    return {k: (acc.get(k) or []) + (v or []) for k, v in new.items()}
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Await ``work`` unless the client disconnects first (then cancel it and return None).
+
+    A cancelled completion closes its engine stream, which aborts the request in the engine:
+    RL clients that time out and retry must not leave orphaned generations behind.
+    """
+
+    async def disconnected() -> None:
+        # The body has been read, so the next ASGI message can only be the disconnect.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+class _ServingGeneration(abc.ABC, Generic[R]):
+    """The request lifecycle both completion APIs share."""
+
+    endpoint: ClassVar[str]  # metrics label
+    id_prefix: ClassVar[str]  # of generated request ids
+    chunk_object: ClassVar[str]
+
+    def __init__(
+        self,
+        backend: EngineBackend,
+        capture: RouteCapture,
+        metrics: ServiceMetrics,
+        request_ids: RequestIds,
+    ) -> None:
+        self.backend = backend
+        self.capture = capture
+        self.metrics = metrics
+        self.request_ids = request_ids
+
+    # -- per-API hooks -----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _generate(self, greq: GenerationRequest[R]) -> AsyncIterator[EngineEvent]: ...
+
+    @abc.abstractmethod
+    def _response(
+        self,
+        greq: GenerationRequest[R],
+        prompt_ids: list[int],
+        choices: list[_Choice],
+        routes: dict[int, dict[str, Any]],
+        usage: Usage,
+    ) -> dict[str, Any]: ...
+
+    def _opening_chunks(
+        self, greq: GenerationRequest[R], prompt_ids: list[int]
+    ) -> list[dict[str, Any]]:
+        """Chunks sent before any token (chat: the assistant role); each ``{"choice", **extra}``."""
+        return []
+
+    @abc.abstractmethod
+    def _delta_choice(
+        self, greq: GenerationRequest[R], ev: ChoiceDelta, ch: _Choice, prompt_ids: list[int]
+    ) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    def _finish_choice(self, ev: ChoiceFinished) -> dict[str, Any]: ...
+
+    # -- the request -------------------------------------------------------------------------------
+    async def create(self, request: R, raw_request: Request, x_request_id: str | None) -> Response:
+        """Serve one request: a JSON response, or an SSE stream when ``request.stream``."""
+        t0 = time.perf_counter()
+        self.metrics.inflight.inc()
+        claimed: str | None = None  # released here, or by the stream once it owns it
+        try:
+            rid = self.request_ids.resolve(x_request_id, self.id_prefix)
+            if x_request_id is not None:  # generated ids are unique already
+                self.request_ids.claim(rid)
+                claimed = rid
+            self._check(request)
+            greq = GenerationRequest(
+                request=request,
+                request_id=rid,
+                # Unique per call: vLLM aborts by id, and a client may reuse its X-Request-Id.
+                engine_request_id=f"{rid}.{uuid.uuid4().hex[:8]}",
+            )
+            headers = {"X-Request-Id": rid}
+            if request.stream:
+                prompt_ids, events = await self._open(greq)
+                outcome = {"status": 200}
+                body = self._measured(
+                    self._stream(greq, prompt_ids, events, outcome), t0, claimed, outcome
+                )
+                claimed = None
+                return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+            result = await _unless_disconnected(raw_request, self._complete(greq))
+        except ServiceError as e:
+            self._done(t0, e.status_code)
+            raise
+        except BaseException:
+            self._done(t0, 500)
+            raise
+        finally:
+            self.request_ids.release(claimed)
+        if result is None:
+            # The client closed the request; its engine request was aborted.
+            self._done(t0, 499)
+            return Response(status_code=499)
+        self._done(t0, 200)
+        return JSONResponse(result, headers=headers)
+
+    def _check(self, request: R) -> None:
+        info = self.backend.info
+        if request.model is not None and request.model != info.name:
+            raise NotFoundError(
+                f"model {request.model!r} does not exist; this server serves {info.name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        if request.echo:
+            raise InvalidRequestError("echo is not supported", param="echo", code="unsupported")
+        rt = request.requested_max_tokens
+        if rt is not None and rt > info.max_model_len:
+            f = request.max_tokens_field
+            raise InvalidRequestError(
+                f"{f}={rt} exceeds the model's context of {info.max_model_len} tokens", param=f
+            )
+
+    def _model_name(self, request: R) -> str:
+        return request.model or self.backend.info.name
+
+    def _done(self, t0: float, status: int) -> None:
+        m = self.metrics
+        m.inflight.dec()
+        m.requests.labels(endpoint=self.endpoint, status=str(status)).inc()
+        m.latency.labels(endpoint=self.endpoint).observe(time.perf_counter() - t0)
+
+    async def _measured(
+        self, body: AsyncIterator[bytes], t0: float, claimed: str | None, outcome: dict[str, int]
+    ) -> AsyncIterator[bytes]:
+        # A stream's request ends with its last chunk, not when the handler returns.
+        try:
+            async for chunk in body:
+                yield chunk
+        except BaseException:
+            outcome["status"] = 499  # the client went away mid-stream
+            raise
+        finally:
+            self.request_ids.release(claimed)
+            self._done(t0, outcome["status"])
+
+    async def _open(
+        self, greq: GenerationRequest[R]
+    ) -> tuple[list[int], AsyncIterator[EngineEvent]]:
+        """Start ``greq``; its prompt token ids and the remaining events.
+
+        Runs the backend up to its first event, so every request error surfaces here, before a
+        response (or stream) is started, and becomes a proper 4xx.
+        """
+        events = aiter(self._generate(greq))
+        try:
+            first = await anext(events)
+        except StopAsyncIteration as e:
+            raise EngineUnavailableError(
+                "the engine produced no output", code="engine_error"
+            ) from e
+        except BaseException:
+            await events.aclose()
+            raise
+        if not isinstance(first, PromptRendered):
+            await events.aclose()
+            raise EngineUnavailableError(
+                f"the engine sent {type(first).__name__} before the prompt", code="engine_error"
+            )
+        return first.prompt_token_ids, events
+
+    async def _capture(
+        self, greq: GenerationRequest[R], prompt_ids: list[int], ch: _Choice, fin: ChoiceFinished
+    ) -> dict[str, Any]:
+        """Store one finished choice's routes; the choice's route fields for the response."""
+        ch.finish = fin
+        route_id = f"{greq.request_id}-{fin.index}"
+        handle = await self.capture.capture(route_id, fin, prompt_ids, greq.request_id)
+        if greq.request.return_routed_experts == "inline":
+            arr = fin.routed_experts
+            inline = None
+            if arr is not None:
+                # Base64 of a long route array is CPU work: keep it off the event loop.
+                inline = (
+                    await asyncio.to_thread(npy_base64, arr)
+                    if arr.nbytes > 1 << 16
+                    else (npy_base64(arr))
+                )
+            return {"routed_experts": inline, "routed_experts_handle": handle}
+        return {"routed_experts": handle}
+
+    def _usage(self, prompt_ids: list[int], choices: list[_Choice], count: bool = True) -> Usage:
+        """Usage so far; ``count`` adds a finished request's tokens to the metrics (once)."""
+        completion = sum(len(c.token_ids) for c in choices)
+        cached = max((c.finish.num_cached_tokens for c in choices if c.finish), default=0)
+        if count:
+            self.metrics.prompt_tokens.inc(len(prompt_ids))
+            self.metrics.completion_tokens.inc(completion)
+        return Usage(
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=completion,
+            total_tokens=len(prompt_ids) + completion,
+            prompt_tokens_details={"cached_tokens": cached},
+        )
+
+    # -- non-streaming -----------------------------------------------------------------------------
+    async def _complete(self, greq: GenerationRequest[R]) -> dict[str, Any]:
+        """Run ``greq`` to the end; the OpenAI response as a JSON-able dict."""
+        prompt_ids, events = await self._open(greq)
+        choices = [_Choice() for _ in range(greq.request.n)]
+        stores: dict[int, asyncio.Task] = {}
+        try:
+            async for ev in events:
+                if isinstance(ev, ChoiceDelta):
+                    choices[ev.index].add(ev)
+                elif isinstance(ev, ChoiceFinished):
+                    # Store each choice as it finishes, concurrently with the others' decoding.
+                    stores[ev.index] = asyncio.create_task(
+                        self._capture(greq, prompt_ids, choices[ev.index], ev)
+                    )
+            routes = {i: await t for i, t in stores.items()}
+        except BaseException:
+            for t in stores.values():
+                t.cancel()
+            raise
+        finally:
+            await events.aclose()
+        usage = self._usage(prompt_ids, choices)
+        return self._response(greq, prompt_ids, choices, routes, usage)
+
+    @staticmethod
+    def _common(greq: GenerationRequest[R], i: int, ch: _Choice, route: dict[str, Any]) -> dict:
+        fin = ch.finish
+        return dict(
+            index=i,
+            finish_reason=fin.finish_reason if fin else None,
+            stop_reason=fin.stop_reason if fin else None,
+            token_ids=ch.token_ids if greq.request.return_token_ids else None,
+            **route,
+        )
+
+    # -- streaming ---------------------------------------------------------------------------------
+    async def _stream(
+        self,
+        greq: GenerationRequest[R],
+        prompt_ids: list[int],
+        events: AsyncIterator[EngineEvent],
+        outcome: dict[str, int],
+    ) -> AsyncIterator[bytes]:
+        """SSE body of an opened request: OpenAI chunks, a route handle on each finishing chunk.
+
+        Always ends with ``data: [DONE]``; a failure after the headers went out travels as an
+        error event before it (and in the request metrics with its real status).
+        """
+        r = greq.request
+        base = {
+            "id": greq.request_id,
+            "object": self.chunk_object,
+            "created": int(time.time()),
+            "model": self._model_name(r),
+        }
+        choices = [_Choice() for _ in range(r.n)]
+
+        def chunk(choice: dict[str, Any], **extra: Any) -> bytes:
+            body = {**base, "choices": [choice], **extra}
+            if r.continuous_usage:
+                body["usage"] = self._usage(prompt_ids, choices, count=False).model_dump()
+            return _sse(body)
+
+        try:
+            for c in self._opening_chunks(greq, prompt_ids):
+                yield chunk(**c)
+            async for ev in events:
+                if isinstance(ev, ChoiceDelta):
+                    ch = choices[ev.index]
+                    ch.add(ev)
+                    yield chunk(self._delta_choice(greq, ev, ch, prompt_ids))
+                    ch.started = True
+                    ch.text_len += len(ev.text)
+                elif isinstance(ev, ChoiceFinished):
+                    ch = choices[ev.index]
+                    route = await self._capture(greq, prompt_ids, ch, ev)
+                    route = {
+                        k: (v.model_dump(mode="json") if isinstance(v, RouteHandle) else v)
+                        for k, v in route.items()
+                    }
+                    c = {
+                        "index": ev.index,
+                        "logprobs": None,
+                        "finish_reason": ev.finish_reason,
+                        "stop_reason": ev.stop_reason,
+                        **self._finish_choice(ev),
+                        **route,
+                    }
+                    yield chunk(c)
+            usage = self._usage(prompt_ids, choices)
+            if r.include_usage_in_stream:
+                yield _sse({**base, "choices": [], "usage": usage.model_dump(mode="json")})
+        except ServiceError as e:
+            # Headers are gone: the error travels in the stream, as OpenAI-compatible servers do.
+            outcome["status"] = e.status_code
+            yield _sse(e.body())
+        except Exception as e:
+            log.exception("stream %s failed", greq.request_id)
+            outcome["status"] = 500
+            err = ServiceError(
+                f"internal error: {type(e).__name__}; the server log has the traceback"
+            )
+            yield _sse(err.body())
+        finally:
+            await events.aclose()
+        yield b"data: [DONE]\n\n"
+
+
+# -- chat ------------------------------------------------------------------------------------------
+def _chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    def one(tok: str, lp: float) -> dict[str, Any]:
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]}
+            for e in entries
+        ]
+    }
+
+
+class ServingChat(_ServingGeneration[ChatCompletionRequest]):
+    """``POST /v1/chat/completions``."""
+
+    endpoint = "chat"
+    id_prefix = "chatcmpl"
+    chunk_object = "chat.completion.chunk"
+
+    def _generate(
+        self, greq: GenerationRequest[ChatCompletionRequest]
+    ) -> AsyncIterator[EngineEvent]:
+        return self.backend.generate_chat(greq)
+
+    def _response(self, greq, prompt_ids, choices, routes, usage) -> dict[str, Any]:  # type: ignore[override]
+        r = greq.request
+        out = []
+        for i, ch in enumerate(choices):
+            lp = ch.raw_logprobs or (_chat_logprobs(ch.logprobs) if r.logprobs else None)
+            out.append(
+                ChatChoice(
+                    message=ChatMessage(content="".join(ch.text)),
+                    logprobs=lp,
+                    **self._common(greq, i, ch, routes.get(i, {})),
+                )
+            )
+        return ChatCompletionResponse(
+            id=greq.request_id,
+            model=self._model_name(r),
+            choices=out,
+            usage=usage,
+            prompt_token_ids=prompt_ids if r.return_token_ids else None,
+        ).model_dump(mode="json")
+
+    def _opening_chunks(self, greq, prompt_ids) -> list[dict[str, Any]]:  # type: ignore[override]
+        # As vLLM: each choice opens with the assistant role; prompt_token_ids ride on these.
+        extra = {"prompt_token_ids": prompt_ids} if greq.request.return_token_ids else {}
+        return [
+            {
+                "choice": {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                },
+                **extra,
+            }
+            for i in range(greq.request.n)
+        ]
+
+    def _delta_choice(self, greq, ev, ch, prompt_ids) -> dict[str, Any]:  # type: ignore[override]
+        r = greq.request
+        lp = ev.raw_logprobs
+        if lp is None and r.logprobs and ev.logprobs:
+            lp = _chat_logprobs(ev.logprobs)
+        c: dict[str, Any] = {
+            "index": ev.index,
+            "delta": {"content": ev.text},
+            "logprobs": lp,
+            "finish_reason": None,
+        }
+        if r.return_token_ids:
+            c["token_ids"] = ev.token_ids
+        return c
+
+    def _finish_choice(self, ev: ChoiceFinished) -> dict[str, Any]:
+        return {"delta": {}}
+
+
+# -- text completions ------------------------------------------------------------------------------
+def _cmpl_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
+    offsets, off = [], text_offset
+    for e in entries:
+        offsets.append(off)
+        off += len(e.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [dict(e.top) for e in entries],
+        "text_offset": offsets,
+    }
+
+
+class ServingCompletion(_ServingGeneration[CompletionRequest]):
+    """``POST /v1/completions``."""
+
+    endpoint = "completions"
+    id_prefix = "cmpl"
+    chunk_object = "text_completion"
+
+    def _check(self, request: CompletionRequest) -> None:
+        super()._check(request)
+        if request.suffix:
+            raise InvalidRequestError("suffix is not supported", param="suffix", code="unsupported")
+
+    def _generate(self, greq: GenerationRequest[CompletionRequest]) -> AsyncIterator[EngineEvent]:
+        return self.backend.generate_completion(greq)
+
+    def _response(self, greq, prompt_ids, choices, routes, usage) -> dict[str, Any]:  # type: ignore[override]
+        r = greq.request
+        want_lp = r.logprobs is not None
+        out = []
+        for i, ch in enumerate(choices):
+            lp = ch.raw_logprobs or (_cmpl_logprobs(ch.logprobs, 0) if want_lp else None)
+            out.append(
+                CompletionChoice(
+                    text="".join(ch.text),
+                    logprobs=lp,
+                    prompt_token_ids=prompt_ids if r.return_token_ids else None,
+                    **self._common(greq, i, ch, routes.get(i, {})),
+                )
+            )
+        return CompletionResponse(
+            id=greq.request_id, model=self._model_name(r), choices=out, usage=usage
+        ).model_dump(mode="json")
+
+    def _delta_choice(self, greq, ev, ch, prompt_ids) -> dict[str, Any]:  # type: ignore[override]
+        r = greq.request
+        lp = ev.raw_logprobs
+        if lp is None and r.logprobs is not None and ev.logprobs:
+            lp = _cmpl_logprobs(ev.logprobs, ch.text_len)
+        c: dict[str, Any] = {
+            "index": ev.index,
+            "text": ev.text,
+            "logprobs": lp,
+            "finish_reason": None,
+        }
+        if r.return_token_ids:
+            c["token_ids"] = ev.token_ids
+            if not ch.started:  # as vLLM: on each choice's first chunk
+                c["prompt_token_ids"] = prompt_ids
+        return c
+
+    def _finish_choice(self, ev: ChoiceFinished) -> dict[str, Any]:
+        return {"text": ""}

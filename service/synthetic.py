@@ -1,0 +1,361 @@
+"""A deterministic engine backend with no model: predictable tokens and routes, instant start.
+
+For the service's fast test tier and for integration work that does not need a real model (an RL
+framework's client code, a trainer's fetch and align path, load tests, deployment checks):
+``routereplay serve --backend synthetic``. It keeps the in-process vLLM backend's contract, so the
+service cannot tell the two apart:
+
+- byte-level tokenizer (token id = UTF-8 byte), a plain-text chat template;
+- each choice's tokens are printable ASCII picked by hashing (seed + choice index, history);
+  ``temperature=0`` is greedy (every choice equal, so ``n > 1`` is refused as vLLM refuses it);
+- routes are vLLM-shaped: ``[T - 1, num_layers, top_k]`` uint8 from ``routed_experts_prompt_start``
+  on, dense layers all zero; row ``p`` depends only on tokens ``0..p`` (a shared prefix routes
+  identically, as in a real engine) and is given by :func:`synthetic_routes`;
+- prompt-prefix reuse is reported in ``num_cached_tokens`` in whole blocks, as by a prefix cache.
+
+Faults for tests: :meth:`SyntheticBackend.kill` (the engine dies: running streams end with
+``engine_dead``, later requests get 503) and ``fault`` (an exception raised mid-generation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Sequence
+
+import numpy as np
+
+from .engine import (
+    ChoiceDelta,
+    ChoiceFinished,
+    EngineBackend,
+    EngineEvent,
+    GenerationRequest,
+    PromptRendered,
+    TokenLogprob,
+    check_engine_fields,
+)
+from .errors import EngineUnavailableError, InvalidRequestError
+from .model_info import ModelInfo
+from .protocol import (
+    ChatCompletionRequest,
+    ChatMessageParam,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+
+__all__ = ["SyntheticBackend", "render_chat", "synthetic_routes"]
+
+_MASK = (1 << 64) - 1
+_VOCAB = 256  # byte-level
+
+
+def _mix(x: int) -> int:
+    """splitmix64 finaliser: a well-spread 64-bit hash of ``x``."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def _prefix_hashes(token_ids: Sequence[int]) -> list[int]:
+    """``h[p]`` = hash of tokens ``0..p`` (chained, so equal prefixes hash equal)."""
+    out, h = [], 0
+    for t in token_ids:
+        h = _mix(h ^ (int(t) + 1))
+        out.append(h)
+    return out
+
+
+def synthetic_routes(
+    token_ids: Sequence[int],
+    num_layers: int,
+    moe_layers: Sequence[int],
+    num_experts: int,
+    top_k: int,
+    row_start: int = 0,
+) -> np.ndarray:
+    """The routes the synthetic engine reports for a sequence: ``[T - 1 - row_start, L, K]`` uint8.
+
+    Row ``p`` (token position ``row_start + p``) of MoE layer ``l``: experts
+    ``(b + j) % num_experts`` for ``j < top_k``, ``b`` a hash of tokens ``0..p`` and ``l``.
+    Dense layers are all-zero rows, as vLLM returns them.
+    """
+    T = len(token_ids)
+    rows = max(T - 1 - row_start, 0)
+    out = np.zeros((rows, num_layers, top_k), dtype=np.uint8 if num_experts <= 256 else np.uint16)
+    if rows == 0:
+        return out
+    hashes = np.array(_prefix_hashes(token_ids)[row_start : T - 1], dtype=np.uint64)
+    ks = np.arange(top_k, dtype=np.uint64)
+    for layer in moe_layers:
+        salt = np.uint64(_mix(layer + 1))
+        base = (hashes ^ salt) % np.uint64(num_experts)
+        out[:, layer, :] = (base[:, None] + ks[None, :]) % np.uint64(num_experts)
+    return out
+
+
+def _content_text(content: object) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content)  # type: ignore[union-attr]
+
+
+def render_chat(
+    messages: Sequence[ChatMessageParam], add_generation_prompt: bool, continue_final: bool
+) -> str:
+    """The synthetic chat template: ``<|role|>content`` lines, then ``<|assistant|>``."""
+    parts = [f"<|{m.role}|>{_content_text(m.content)}\n" for m in messages]
+    if continue_final and parts:
+        parts[-1] = parts[-1][:-1]
+    if add_generation_prompt:
+        parts.append("<|assistant|>")
+    return "".join(parts)
+
+
+class SyntheticBackend(EngineBackend):
+    """See the module docstring. ``step_delay_s`` paces decoding (tests of streams and
+    disconnects); ``block_size`` is the granularity of reported prefix-cache hits."""
+
+    def __init__(
+        self,
+        name: str = "synthetic-moe",
+        *,
+        num_layers: int = 4,
+        moe_layers: Sequence[int] = (1, 2, 3),
+        num_experts: int = 8,
+        top_k: int = 2,
+        max_model_len: int = 2048,
+        step_delay_s: float = 0.0,
+        block_size: int = 16,
+    ) -> None:
+        self.info = ModelInfo(
+            name=name,
+            num_layers=num_layers,
+            moe_layers=tuple(moe_layers),
+            num_experts=num_experts,
+            top_k=top_k,
+            max_model_len=max_model_len,
+            root=name,
+        )
+        self.step_delay_s = step_delay_s
+        self.block_size = block_size
+        self.fault: BaseException | None = None
+        self._dead = False
+        self._started = False
+        self._running = 0
+        self._cached_blocks: set[int] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._started = True
+
+    async def close(self) -> None:
+        self._started = False
+
+    @property
+    def dead(self) -> bool:
+        return self._dead
+
+    def kill(self) -> None:
+        """The engine dies for good, as vLLM's does after an ``EngineDeadError``."""
+        self._dead = True
+
+    async def check_ready(self) -> None:
+        if not self._started:
+            raise EngineUnavailableError("engine not started", code="engine_not_started")
+        if self._dead:
+            raise EngineUnavailableError("engine is dead", code="engine_dead")
+
+    def num_unfinished(self) -> int:
+        return self._running
+
+    # -- tokenizer ---------------------------------------------------------------------------------
+    @staticmethod
+    def encode(text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def _chat_ids(self, r: ChatCompletionRequest | TokenizeChatRequest) -> list[int]:
+        if r.chat_template_kwargs:
+            raise InvalidRequestError(
+                "chat_template_kwargs: the synthetic chat template takes no arguments",
+                param="chat_template_kwargs",
+            )
+        return self.encode(
+            render_chat(r.messages, r.add_generation_prompt, r.continue_final_message)
+        )
+
+    async def tokenize(
+        self, req: TokenizeCompletionRequest | TokenizeChatRequest
+    ) -> TokenizeResponse:
+        ids = (
+            self._chat_ids(req) if isinstance(req, TokenizeChatRequest) else self.encode(req.prompt)
+        )
+        strs = None
+        if req.return_token_strs:
+            strs = [chr(t) if 32 <= t < 127 else f"<0x{t:02X}>" for t in ids]
+        return TokenizeResponse(
+            count=len(ids), max_model_len=self.info.max_model_len, tokens=ids, token_strs=strs
+        )
+
+    async def detokenize(self, req: DetokenizeRequest) -> str:
+        self._check_vocab(req.tokens, "tokens")
+        return bytes(req.tokens).decode("utf-8", errors="replace")
+
+    @staticmethod
+    def _check_vocab(ids: Sequence[int], field: str) -> None:
+        for i, t in enumerate(ids):
+            if t >= _VOCAB:
+                raise InvalidRequestError(
+                    f"{field}[{i}]: token id {t} is outside the vocabulary of {_VOCAB}",
+                    param=field,
+                )
+
+    # -- generation --------------------------------------------------------------------------------
+    def generate_chat(
+        self, req: GenerationRequest[ChatCompletionRequest]
+    ) -> AsyncIterator[EngineEvent]:
+        return self._generate(req, lambda: self._chat_ids(req.request), "messages")
+
+    def generate_completion(
+        self, req: GenerationRequest[CompletionRequest]
+    ) -> AsyncIterator[EngineEvent]:
+        def ids() -> list[int]:
+            p = req.request.prompt
+            if isinstance(p, str):
+                return self.encode(p)
+            self._check_vocab(p, "prompt")
+            return list(p)
+
+        return self._generate(req, ids, "prompt")
+
+    def _cached_tokens(self, hashes: list[int]) -> int:
+        """Whole leading blocks seen before (then remember this prompt's blocks)."""
+        b = self.block_size
+        cached = 0
+        for end in range(b, len(hashes) + 1, b):
+            if hashes[end - 1] not in self._cached_blocks:
+                break
+            cached = end
+        self._cached_blocks.update(hashes[end - 1] for end in range(b, len(hashes) + 1, b))
+        return cached
+
+    async def _generate(
+        self, req: GenerationRequest, render, field: str
+    ) -> AsyncIterator[EngineEvent]:  # type: ignore[no-untyped-def]
+        r = req.request
+        if self._dead:
+            raise EngineUnavailableError("engine is dead", code="engine_dead")
+        check_engine_fields(r)
+        prompt = render()
+        info = self.info
+        if len(prompt) >= info.max_model_len:
+            raise InvalidRequestError(
+                f"{field} has {len(prompt)} tokens; the model's context is "
+                f"{info.max_model_len} tokens",
+                param=field,
+            )
+        room = info.max_model_len - len(prompt)
+        max_tokens = r.requested_max_tokens or room
+        if max_tokens > room:
+            f = r.max_tokens_field
+            raise InvalidRequestError(
+                f"{f}={max_tokens} plus the prompt's {len(prompt)} tokens exceeds the model's "
+                f"context of {info.max_model_len} tokens (at most {room} allowed)",
+                param=f,
+            )
+        if r.routed_experts_prompt_start > len(prompt):
+            raise InvalidRequestError(
+                f"routed_experts_prompt_start={r.routed_experts_prompt_start} is beyond the "
+                f"prompt's {len(prompt)} tokens",
+                param="routed_experts_prompt_start",
+            )
+        greedy = r.temperature == 0
+        if greedy and r.n > 1:
+            raise InvalidRequestError(
+                f"n must be 1 when using greedy sampling, got n={r.n}", param="n"
+            )
+        hashes = _prefix_hashes(prompt)
+        cached = self._cached_tokens(hashes)
+        seed = 0 if greedy else (r.seed if r.seed is not None else random.getrandbits(63))
+        stop_ids = set(r.stop_token_ids or ())
+        yield PromptRendered(prompt_token_ids=list(prompt))
+
+        self._running += 1
+        try:
+            outs: list[list[int]] = [[] for _ in range(r.n)]
+            h = [hashes[-1]] * r.n
+            finished: list[str | None] = [None] * r.n
+            for _ in range(max_tokens):
+                await asyncio.sleep(self.step_delay_s)
+                if self._dead:
+                    raise EngineUnavailableError(
+                        "the engine died while serving this request; routes were not stored",
+                        code="engine_dead",
+                    )
+                if self.fault is not None:
+                    raise self.fault
+                for i in range(r.n):
+                    if finished[i] is not None:
+                        continue
+                    x = _mix(h[i] ^ _mix(seed + (0 if greedy else i)))
+                    tok = 32 + x % 95  # printable ASCII: every token is one character
+                    h[i] = _mix(h[i] ^ (tok + 1))
+                    outs[i].append(tok)
+                    yield ChoiceDelta(
+                        index=i,
+                        text=chr(tok),
+                        token_ids=[tok],
+                        logprobs=self._logprobs(tok, x, r.num_logprobs),
+                    )
+                    if tok in stop_ids and len(outs[i]) >= r.min_tokens:
+                        finished[i] = "stop"
+                    elif len(outs[i]) == max_tokens:
+                        finished[i] = "length"
+                    if finished[i] is not None:
+                        yield self._finished(i, prompt, outs[i], finished[i], cached, r)
+                if all(f is not None for f in finished):
+                    break
+        finally:
+            self._running -= 1
+
+    def _finished(
+        self,
+        i: int,
+        prompt: list[int],
+        out: list[int],
+        reason: str,
+        cached: int,
+        r: ChatCompletionRequest | CompletionRequest,
+    ) -> ChoiceFinished:
+        info = self.info
+        routes = synthetic_routes(
+            prompt + out,
+            info.num_layers,
+            info.moe_layers,
+            info.num_experts,
+            info.top_k,
+            r.routed_experts_prompt_start,
+        )
+        return ChoiceFinished(
+            index=i,
+            finish_reason=reason,
+            stop_reason=out[-1] if reason == "stop" else None,
+            output_token_ids=list(out),
+            num_cached_tokens=cached,
+            routed_experts=routes,
+            routes_row_start=r.routed_experts_prompt_start,
+        )
+
+    @staticmethod
+    def _logprobs(tok: int, x: int, k: int | None) -> list[TokenLogprob] | None:
+        if k is None:
+            return None
+        lp = -((x >> 8) % 1000) / 1000.0 - 0.01
+        top = [(chr(tok), lp)] + [(chr(32 + (tok - 32 + j) % 95), lp - j) for j in range(1, k)]
+        return [TokenLogprob(token=chr(tok), logprob=lp, top=top[:k])]

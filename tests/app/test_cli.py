@@ -1,0 +1,89 @@
+"""``routereplay serve`` as a user types it: usage errors (no tracebacks), choices in --help,
+a port in use found before the engine starts, and the synthetic backend serving for real."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from routereplay.bench.servers import server_process
+from routereplay.local_redis import free_port
+
+
+def serve(*flags: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "routereplay.cli", "serve", *flags],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_help_lists_flags_choices_and_env() -> None:
+    out = serve("--help").stdout
+    assert "--backend {vllm,upstream,synthetic}" in out
+    assert "--tiny-variant {moe,dense-first}" in out
+    assert "--enforce-eager | --no-enforce-eager" in out
+    assert "ROUTEREPLAY_" in out
+
+
+def test_bad_values_are_usage_errors() -> None:
+    for flags, needle in (
+        (["--port", "abc"], "--port"),
+        (["--port", "70000"], "--port"),
+        (["--backend", "foo"], "--backend"),
+        (["--max-model-len", "1"], "--max-model-len"),
+        (["--bogus", "1"], "unrecognized arguments: --bogus"),
+    ):
+        r = serve(*flags)
+        assert r.returncode == 2, (flags, r.stderr)
+        assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_env_values_are_checked_too(monkeypatch) -> None:
+    monkeypatch.setenv("ROUTEREPLAY_PORT", "not-a-port")
+    r = serve()
+    assert r.returncode == 2 and "--port" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_port_in_use_fails_before_the_engine_starts() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        t0 = time.monotonic()
+        # The default backend is the vLLM engine: a port check after its start would take ~30 s.
+        r = serve("--port", str(port))
+        took = time.monotonic() - t0
+    assert r.returncode == 2 and f"127.0.0.1:{port}" in r.stderr, r.stderr
+    assert took < 15, f"took {took:.1f}s: the engine started before the port was checked"
+
+
+def test_synthetic_backend_serves(redis_url: str, tmp_path) -> None:
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "routereplay.cli",
+        "serve",
+        "--backend",
+        "synthetic",
+        "--port",
+        str(port),
+        "--redis-url",
+        redis_url,
+        "--route-prefix",
+        "clitest",
+    ]
+    with server_process(
+        argv, f"http://127.0.0.1:{port}/ready", tmp_path / "serve.log", timeout_s=60
+    ):
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "synthetic-moe", "prompt": "hi", "max_tokens": 2},
+        )
+        assert r.json()["choices"][0]["routed_experts"]["status"] == "stored"

@@ -1,0 +1,160 @@
+"""Probes, metrics, and what a client sees when the engine or the store fails."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from routereplay.local_redis import redis_server
+
+from .conftest import MODEL, App, running_app
+
+BODY = {"model": MODEL, "prompt": "probe", "max_tokens": 3}
+
+
+def events(text: str) -> list[str]:
+    return [ln[len("data: ") :] for ln in text.splitlines() if ln.startswith("data: ")]
+
+
+async def test_health_ready_metrics(svc: App) -> None:
+    assert (await svc.http.get("/health")).json() == {"status": "ok"}
+    assert (await svc.http.get("/ready")).json() == {"status": "ready"}
+    for stream in (False, True):
+        await svc.http.post("/v1/completions", json={**BODY, "stream": stream})
+    await svc.http.post("/v1/completions", json={**BODY, "max_tokens": 0})
+    text = (await svc.http.get("/metrics")).text
+    for name in (
+        "routereplay_requests_total",
+        "routereplay_request_latency_seconds_bucket",
+        "routereplay_prompt_tokens_total",
+        "routereplay_completion_tokens_total",
+        "routereplay_route_bytes_stored_total",
+        "routereplay_route_store_errors_total",
+        "routereplay_engine_queue_depth",
+        "routereplay_requests_inflight",
+    ):
+        assert name in text, name
+    assert await svc.metric("routereplay_routes_stored_total") == 2
+    assert await svc.metric("routereplay_completion_tokens_total") == 6
+    assert await svc.metric('routereplay_requests_total{endpoint="completions",status="200"}') == 2
+    assert await svc.metric("routereplay_requests_inflight") == 0
+
+
+async def test_engine_death_mid_stream_then_503(svc: App) -> None:
+    svc.backend.step_delay_s = 0.005
+
+    async def kill_soon() -> None:
+        while svc.backend.num_unfinished() == 0:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.02)
+        svc.backend.kill()
+
+    killer = asyncio.create_task(kill_soon())
+    r = await svc.http.post(
+        "/v1/completions",
+        json={**BODY, "max_tokens": 500, "stream": True},
+        headers={"X-Request-Id": "doomed"},
+    )
+    await killer
+    ev = events(r.text)
+    assert ev[-1] == "[DONE]"
+    err = json.loads(ev[-2])["error"]
+    assert err["type"] == "engine_unavailable" and err["code"] == "engine_dead"
+    # Later requests fail fast with 503; probes say so; nothing was stored.
+    r = await svc.http.post("/v1/completions", json=BODY)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "engine_unavailable"
+    assert (await svc.http.get("/health")).status_code == 503
+    ready = await svc.http.get("/ready")
+    assert ready.status_code == 503 and "engine" in ready.json()
+    assert (await svc.http.get("/v1/routes/doomed-0")).status_code == 404
+    assert await svc.metric('routereplay_requests_total{endpoint="completions",status="503"}') == 2
+
+
+async def test_unexpected_failure_mid_stream_ends_the_stream_well(svc: App, caplog) -> None:
+    svc.backend.fault = RuntimeError("boom in the engine")
+    r = await svc.http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True},
+    )
+    ev = events(r.text)
+    assert ev[-1] == "[DONE]"
+    err = json.loads(ev[-2])["error"]
+    assert err["type"] == "internal_error" and "RuntimeError" in err["message"]
+    assert "boom" not in err["message"]  # details go to the log, not to clients
+    assert "boom in the engine" in caplog.text and "Traceback" in caplog.text
+    assert await svc.metric('routereplay_requests_total{endpoint="chat",status="500"}') == 1
+    # Not streamed: a 500 in the schema.
+    r = await svc.http.post("/v1/completions", json=BODY)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+
+
+async def test_store_down_routes_failed_completions_served(redis_url: str) -> None:
+    with redis_server() as url:
+        cm = running_app(url, store_timeout_s=2)
+        svc = await cm.__aenter__()
+    try:
+        # Its redis-server is gone: the completion is served, its route reported failed.
+        r = await svc.http.post("/v1/completions", json=BODY, headers={"X-Request-Id": "nostore"})
+        assert r.status_code == 200
+        h = r.json()["choices"][0]["routed_experts"]
+        assert h["status"] == "failed" and h["num_valid_rows"] == 0 and h["error"], h
+        assert await svc.metric("routereplay_route_store_errors_total") == 1
+        ready = await svc.http.get("/ready")
+        assert ready.status_code == 503 and "redis" in ready.json()
+        r = await svc.http.get("/v1/routes/nostore-0")
+        assert r.status_code == 503 and r.json()["error"]["type"] == "store_unavailable"
+    finally:
+        await cm.__aexit__(None, None, None)
+
+
+async def test_redis_full_routes_reported_failed_never_half_written() -> None:
+    import redis
+
+    with redis_server() as url:
+        async with running_app(url, store_timeout_s=5) as svc:
+            ok = await svc.http.post("/v1/completions", json=BODY)
+            assert ok.json()["choices"][0]["routed_experts"]["status"] == "stored"
+            r = redis.Redis.from_url(url)
+            # Redis full: every write is refused (reads still work), mid-put if need be.
+            r.config_set("maxmemory-policy", "noeviction")
+            r.config_set("maxmemory", 1)
+            try:
+                for stream in (False, True):
+                    rid = f"full-{int(stream)}"
+                    resp = await svc.http.post("/v1/completions", json={**BODY, "stream": stream},
+                                               headers={"X-Request-Id": rid})  # fmt: skip
+                    assert resp.status_code == 200
+                    if stream:
+                        chunks = [json.loads(e) for e in events(resp.text) if e.startswith("{")]
+                        (h,) = [
+                            c["choices"][0]["routed_experts"]
+                            for c in chunks
+                            if c["choices"] and c["choices"][0].get("finish_reason")
+                        ]
+                    else:
+                        h = resp.json()["choices"][0]["routed_experts"]
+                    # The completion is served; its routes are reported failed, with the reason...
+                    assert h["status"] == "failed" and h["num_valid_rows"] == 0, h
+                    assert "OOM" in h["error"] or "memory" in h["error"], h
+                    # ...and no partial record is readable under its id.
+                    assert (await svc.http.get(f"/v1/routes/{rid}-0")).status_code == 404
+            finally:
+                r.config_set("maxmemory", 0)
+                r.close()
+            assert await svc.metric("routereplay_route_store_errors_total") == 2
+            again = await svc.http.post("/v1/completions", json=BODY)
+            assert again.json()["choices"][0]["routed_experts"]["status"] == "stored"
+
+
+@pytest.mark.parametrize("path", ["/health", "/ready", "/v1/models"])
+async def test_probes_before_the_lifespan_are_503(path: str, redis_url: str) -> None:
+    import httpx
+
+    from routereplay.service import Settings, create_app
+
+    app = create_app(Settings(redis_url=redis_url, backend="synthetic"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        r = await c.get(path)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "starting"

@@ -1,0 +1,67 @@
+"""The X-Request-Id policy: generated or echoed, 409 while in flight, reusable after."""
+
+from __future__ import annotations
+
+import asyncio
+
+from .conftest import MODEL, App
+
+BODY = {"model": MODEL, "prompt": "in flight", "max_tokens": 24}
+
+
+async def test_generated_and_echoed_ids(svc: App) -> None:
+    r = await svc.http.post("/v1/completions", json=BODY)
+    rid = r.json()["id"]
+    assert rid.startswith("cmpl-") and r.headers["x-request-id"] == rid
+    r = await svc.http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
+    )
+    assert r.json()["id"].startswith("chatcmpl-")
+    r = await svc.http.post("/v1/completions", json=BODY, headers={"X-Request-Id": "mine.1:a-b"})
+    assert r.json()["id"] == "mine.1:a-b" and r.headers["x-request-id"] == "mine.1:a-b"
+    assert r.json()["choices"][0]["routed_experts"]["route_id"] == "mine.1:a-b-0"
+
+
+async def test_in_flight_id_is_refused_then_reusable(svc: App) -> None:
+    svc.backend.step_delay_s = 0.01
+    headers = {"X-Request-Id": "dup-inflight"}
+    first = asyncio.create_task(svc.http.post("/v1/completions", json=BODY, headers=headers))
+    while svc.backend.num_unfinished() == 0:
+        await asyncio.sleep(0.005)
+    second = await svc.http.post("/v1/completions", json=BODY, headers=headers)
+    assert second.status_code == 409, second.text
+    err = second.json()["error"]
+    assert err["param"] == "X-Request-Id" and err["code"] == "request_id_in_flight"
+    assert "in flight" in err["message"]
+    # The refused retry did not disturb the original, whose routes are stored.
+    r1 = await first
+    h = r1.json()["choices"][0]["routed_experts"]
+    assert r1.status_code == 200 and h["status"] == "stored"
+    tokens1 = (await svc.http.get("/v1/routes/dup-inflight-0?format=json")).json()["token_ids"]
+    # Once finished, reusing the id is an idempotent overwrite (a retry).
+    again = await svc.http.post(
+        "/v1/completions", json={**BODY, "prompt": "other"}, headers=headers
+    )
+    assert again.status_code == 200
+    tokens2 = (await svc.http.get("/v1/routes/dup-inflight-0?format=json")).json()["token_ids"]
+    assert tokens2 != tokens1 and tokens2[:5] == list(b"other")
+
+
+async def test_streamed_id_is_held_until_the_stream_ends(svc: App) -> None:
+    headers = {"X-Request-Id": "dup-stream"}
+    r = await svc.http.post("/v1/completions", json={**BODY, "stream": True}, headers=headers)
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    # Released when the stream finished: the id is free again.
+    r = await svc.http.post("/v1/completions", json=BODY, headers=headers)
+    assert r.status_code == 200
+
+
+async def test_refused_request_releases_its_id(svc: App) -> None:
+    headers = {"X-Request-Id": "dup-refused"}
+    bad = await svc.http.post(
+        "/v1/completions", json={**BODY, "max_tokens": 10**6}, headers=headers
+    )
+    assert bad.status_code == 400
+    ok = await svc.http.post("/v1/completions", json=BODY, headers=headers)
+    assert ok.status_code == 200

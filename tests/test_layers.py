@@ -1,0 +1,88 @@
+"""Layer edges hold: each layer imports only the layers below it, across layers only through
+public names (a package's ``__all__``), and the light client ships no tooling.
+
+    client, local_redis              (nothing of ours)
+    service                          -> client, local_redis
+    trainer_adapter                  -> client
+    bench, cli                       -> anything (tooling above every layer)
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Source directory -> the package it installs as.
+LAYERS = {
+    "client": "client",
+    "service": "service",
+    "trainer_adapter": "trainer_adapter",
+    "routereplay/local_redis.py": "local_redis",
+    "routereplay/bench": "bench",
+    "routereplay/cli.py": "cli",
+}
+ALLOWED = {
+    "client": set(),
+    "local_redis": set(),
+    "service": {"client", "local_redis"},
+    "trainer_adapter": {"client"},
+    "bench": {"client", "service", "trainer_adapter", "local_redis"},
+    "cli": {"client", "service", "trainer_adapter", "local_redis", "bench"},
+}
+
+
+def _files() -> list[tuple[str, Path]]:
+    out = []
+    for src, layer in LAYERS.items():
+        p = ROOT / src
+        out += [(layer, f) for f in ([p] if p.is_file() else sorted(p.rglob("*.py")))]
+    return out
+
+
+def _imports(path: Path) -> list[tuple[str, list[str], int]]:
+    """``(module, names, line)`` of every absolute ``routereplay`` import in ``path``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] == "routereplay":
+                out.append((node.module, [a.name for a in node.names], node.lineno))
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "routereplay":
+                    out.append((a.name, [], node.lineno))
+    return out
+
+
+def test_layers_import_downward_through_public_names() -> None:
+    problems = []
+    for layer, path in _files():
+        for module, names, line in _imports(path):
+            parts = module.split(".")
+            target = parts[1] if len(parts) > 1 else None
+            where = f"{path.relative_to(ROOT)}:{line}: {module}"
+            if target is None or target == layer:
+                continue
+            if target not in ALLOWED[layer]:
+                problems.append(f"{where}: layer {layer} may not import {target}")
+                continue
+            if any(p.startswith("_") for p in parts[2:]):
+                problems.append(f"{where}: private module of another layer")
+                continue
+            public = getattr(importlib.import_module(module), "__all__", None)
+            for n in names:
+                if n.startswith("_") or (
+                    public is not None and len(parts) == 2 and n not in public
+                ):
+                    problems.append(f"{where}: {n} is not a public name of {module}")
+    assert not problems, "\n".join(problems)
+
+
+def test_client_ships_no_tooling() -> None:
+    for f in (ROOT / "client").glob("*.py"):
+        text = f.read_text()
+        for banned in ("subprocess", "argparse", "def main("):
+            assert banned not in text, (
+                f"{f.name} contains {banned!r}: tooling belongs in routereplay/bench"
+            )
