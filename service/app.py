@@ -8,9 +8,10 @@ code is one hop away: ``routers/<concern>.py`` (HTTP shape) -> ``serving/<concer
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI
 
@@ -18,6 +19,7 @@ from routereplay.client import AsyncRouteStore
 
 from .engine import EngineBackend
 from .errors import install_error_handlers, redact
+from .http_limits import BodySizeLimit
 from .metrics import ServiceMetrics
 from .routers import ROUTERS
 from .settings import Settings
@@ -71,13 +73,32 @@ def make_backend(settings: Settings) -> EngineBackend:
     )
 
 
+async def _watch_engine(
+    backend: EngineBackend, grace_s: float, on_fatal: Callable[[str], None]
+) -> None:
+    """Call ``on_fatal`` once the engine is dead for good, after ``grace_s`` during which the
+    service answers 503 (running streams end with their error event, load balancers see it)."""
+    while not backend.dead:
+        await asyncio.sleep(0.5)
+    reason = "the engine died and cannot recover"
+    log.critical("%s; the service stops in %.0f s so its supervisor restarts it", reason, grace_s)
+    await asyncio.sleep(grace_s)
+    on_fatal(reason)
+
+
 def create_app(
     settings: Settings | None = None,
     *,
     backend: EngineBackend | None = None,
     store: AsyncRouteStore | None = None,
+    on_fatal: Callable[[str], None] | None = None,
 ) -> FastAPI:
-    """Build the ASGI app; a ``backend``/``store`` passed in is used as is and not closed."""
+    """Build the ASGI app; a ``backend``/``store`` passed in is used as is and not closed.
+
+    ``on_fatal(reason)`` is called when the engine has died for good (``routereplay serve`` then
+    exits with status 3, so compose or Kubernetes restarts it); without it the app stays up and
+    answers 503.
+    """
     settings = settings or Settings()
     metrics = ServiceMetrics()
 
@@ -106,9 +127,16 @@ def create_app(
                 stack.push_async_callback(be.close)
             metrics.bind_queue_depth(be.num_unfinished)
             app.state.service = ServiceState.build(settings, metrics, be, st)
+            watcher = None
+            if on_fatal is not None:
+                watcher = asyncio.create_task(
+                    _watch_engine(be, settings.engine_death_grace_s, on_fatal)
+                )
             try:
                 yield
             finally:
+                if watcher is not None:
+                    watcher.cancel()
                 app.state.service = None
 
     app = FastAPI(
@@ -121,6 +149,7 @@ def create_app(
     app.state.settings = settings
     app.state.metrics = metrics
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
     for router in ROUTERS:
         app.include_router(router)
     return app

@@ -13,9 +13,10 @@ import logging
 
 import numpy as np
 
-from routereplay.client import AsyncRouteStore, RouteRecord
+from routereplay.client import AsyncRouteStore, RouteError, RouteRecord
 
 from .engine import ChoiceFinished
+from .errors import redact
 from .metrics import ServiceMetrics
 from .model_info import ModelInfo
 from .protocol import RouteHandle
@@ -77,7 +78,10 @@ class RouteCapture:
             async with asyncio.timeout_at(deadline):
                 record, filled = await self.store.fill_from_prefix_index(record)
         except Exception as e:  # the put below decides whether the route is stored
-            log.warning("prefix-index fill for route %s failed, storing unfilled: %r", route_id, e)
+            log.warning(
+                "prefix-index fill for route %s failed, storing unfilled: %s", route_id,
+                redact(repr(e)),
+            )  # fmt: skip
             self.metrics.store_errors.labels(reason="fill_" + type(e).__name__).inc()
             return record
         self.metrics.rows_filled.inc(filled)
@@ -116,8 +120,13 @@ class RouteCapture:
             async with asyncio.timeout_at(deadline):
                 result = await self.store.put(route_id, record, ttl_s=self.ttl_s)
         except Exception as e:
-            log.warning("storing route %s failed: %r", route_id, e)
-            handle.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            if isinstance(e, (RouteError, TimeoutError)):
+                # The store's expected failures (Redis down, full, slow): the reason suffices.
+                log.warning("storing route %s failed: %s", route_id, redact(repr(e)))
+            else:  # a bug: keep the traceback
+                log.exception("storing route %s failed unexpectedly", route_id)
+            detail = redact(str(e))
+            handle.error = f"{type(e).__name__}: {detail}" if detail else type(e).__name__
             self.metrics.store_errors.labels(reason=type(e).__name__).inc()
             return handle
         self.metrics.routes_stored.inc()

@@ -20,7 +20,17 @@ from pydantic_settings import CliApp, SettingsError
 
 from .settings import Settings
 
-__all__ = ["bind_socket", "build_model_main", "serve_main", "settings_from_argv"]
+__all__ = [
+    "ENGINE_DEAD_EXIT",
+    "bind_socket",
+    "build_model_main",
+    "serve_main",
+    "settings_from_argv",
+]
+
+
+# Exit status after the engine died (distinct from usage errors, 2, and crashes, 1).
+ENGINE_DEAD_EXIT = 3
 
 
 class UsageError(Exception):
@@ -68,13 +78,27 @@ def serve_main(argv: list[str]) -> int:
     from .app import create_app
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    app = create_app(settings)
+    fatal: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def on_fatal(reason: str) -> None:
+        # A dead engine never comes back: stop (gracefully) and exit non-zero, so the
+        # supervisor (compose restart policy, Kubernetes) starts a fresh process.
+        fatal.append(reason)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(settings, on_fatal=on_fatal)
     config = uvicorn.Config(
         app, log_level=settings.log_level, timeout_graceful_shutdown=10,
         # One worker: the engine lives in this process; vLLM scales inside it.
         workers=1,
     )  # fmt: skip
-    uvicorn.Server(config).run(sockets=[sock])
+    server = uvicorn.Server(config)
+    server.run(sockets=[sock])
+    if fatal:
+        logging.getLogger("routereplay.service").critical("exiting with status 3: %s", fatal[0])
+        return ENGINE_DEAD_EXIT
     return 0
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "ErrorResponse",
     "InvalidRequestError",
     "NotFoundError",
+    "RequestTooLargeError",
     "ServiceError",
     "StoreUnavailableError",
     "error_responses",
@@ -90,6 +91,22 @@ class InvalidRequestError(ServiceError):
     status_code = 400
     type = "invalid_request_error"
     default_code = "invalid_value"
+
+
+class RequestTooLargeError(ServiceError):
+    """The request body is over the service's cap: 413, before it is parsed."""
+
+    status_code = 413
+    type = "invalid_request_error"
+    default_code = "request_too_large"
+
+    @classmethod
+    def for_limit(cls, limit: int, size: int | None = None) -> RequestTooLargeError:
+        got = f" ({size} bytes)" if size is not None else ""
+        return cls(
+            f"body: the request body{got} exceeds the limit of {limit} bytes (--max-body-bytes)",
+            param="body",
+        )
 
 
 class NotFoundError(ServiceError):
@@ -233,6 +250,8 @@ def install_error_handlers(app: FastAPI) -> None:
         err: ServiceError
         if exc.status_code == 404:
             err = NotFoundError(f"no endpoint {where}; see /docs for the API", code="not_found")
+        elif exc.status_code == 413:
+            err = RequestTooLargeError.for_limit(getattr(exc, "limit", 0))
         elif exc.status_code == 405:
             err = MethodNotAllowedError(
                 f"method {request.method} is not allowed on {request.url.path}",

@@ -25,6 +25,10 @@ class ModelInfo:
     max_model_len: int
     # Where the weights came from (vLLM's model card ``root``: a path or hub name).
     root: str | None = None
+    # Longest vocabulary entry in UTF-8 bytes (>= the bytes any one token decodes to), so a
+    # prompt of C characters has at least C / max_token_bytes tokens: over-long prompts are
+    # refused before the chat template and the tokenizer spend time on them. None: unknown.
+    max_token_bytes: int | None = None
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:

@@ -227,6 +227,17 @@ class ChatCompletionRequest(SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def prompt_chars(self) -> int:
+        """Characters of message text (a lower bound on the rendered prompt's length)."""
+        n = 0
+        for m in self.messages:
+            c = m.content
+            if isinstance(c, str):
+                n += len(c)
+            elif isinstance(c, list):
+                n += sum(len(part["text"]) for part in c)
+        return n
+
     @property
     def max_tokens_field(self) -> str:
         """The field that set the completion budget (for error messages)."""
@@ -265,6 +276,9 @@ class CompletionRequest(SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def prompt_chars(self) -> int:
+        return len(self.prompt) if isinstance(self.prompt, str) else 0
 
     @property
     def max_tokens_field(self) -> str:

@@ -36,6 +36,9 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free port)")
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
+    max_body_bytes: int = Field(
+        16 << 20, ge=1024, description="request bodies over this are refused (413) unparsed"
+    )
 
     # -- engine ------------------------------------------------------------------------------------
     backend: Literal["vllm", "upstream", "synthetic"] = Field(
@@ -67,6 +70,9 @@ class Settings(BaseSettings):
         None, description="default: on for CPU, off (CUDA graphs) on GPU"
     )
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel size")
+    engine_death_grace_s: float = Field(
+        5.0, ge=0, description="after the engine dies: seconds of 503s, then exit status 3"
+    )
     engine_args: dict[str, Any] = Field(
         default_factory=dict, description="extra vLLM AsyncEngineArgs, as JSON: '{\"k\": v}'"
     )

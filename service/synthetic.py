@@ -142,6 +142,7 @@ class SyntheticBackend(EngineBackend):
             top_k=top_k,
             max_model_len=max_model_len,
             root=name,
+            max_token_bytes=4,  # one UTF-8 byte per token: a character is at most 4
         )
         self.step_delay_s = step_delay_s
         self.block_size = block_size

@@ -86,6 +86,16 @@ async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield x
 
 
+def _max_token_bytes(tokenizer: Any) -> int | None:
+    """The longest vocabulary entry in UTF-8 bytes (byte-level BPE spells a byte as one
+    character of up to 2 bytes, SentencePiece a space as 3: an upper bound either way)."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # a tokenizer without a vocabulary listing: no early length check
+        return None
+    return max((len(t.encode("utf-8")) for t in vocab), default=0) or None
+
+
 def _client_error(e: Exception, request: Any) -> InvalidRequestError:
     """A vLLM validation error as a 400 naming the field.
 
@@ -167,6 +177,7 @@ class VllmBackend(EngineBackend):
         self.engine = AsyncLLM.from_engine_args(args)
         hf = self.engine.model_config.hf_config
         num_layers, moe, num_experts, top_k = moe_layout(hf)
+        self._tokenizer = self.engine.get_tokenizer()
         self.info = ModelInfo(
             name=self.served_model_name,
             num_layers=num_layers,
@@ -175,8 +186,8 @@ class VllmBackend(EngineBackend):
             top_k=top_k,
             max_model_len=int(self.engine.model_config.max_model_len),
             root=self.model,
+            max_token_bytes=_max_token_bytes(self._tokenizer),
         )
-        self._tokenizer = self.engine.get_tokenizer()
 
     async def close(self) -> None:
         if self.engine is not None:

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response
 
 from ..errors import error_responses
+from ..http_limits import JSONRoute
 from ..protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -17,7 +18,7 @@ from ..protocol import (
 from ..request_ids import REQUEST_ID_PATTERN
 from ..state import service_state
 
-router = APIRouter(tags=["OpenAI"])
+router = APIRouter(tags=["OpenAI"], route_class=JSONRoute)
 
 RequestIdHeader = Annotated[
     str | None,

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Body, Request
 from pydantic import Discriminator, Tag
 
 from ..errors import error_responses
+from ..http_limits import JSONRoute
 from ..protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -19,7 +20,7 @@ from ..protocol import (
 )
 from ..state import service_state
 
-router = APIRouter(tags=["Models and tokenization"])
+router = APIRouter(tags=["Models and tokenization"], route_class=JSONRoute)
 
 
 def _tokenize_kind(v: Any) -> str:

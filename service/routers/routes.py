@@ -14,10 +14,11 @@ from fastapi.responses import Response
 from routereplay.client import BATCH_MEDIA_TYPE, MEDIA_TYPE
 
 from ..errors import error_responses
+from ..http_limits import JSONRoute
 from ..protocol import BatchRoutesRequest, RouteJSON
 from ..state import service_state
 
-router = APIRouter(tags=["Routes"])
+router = APIRouter(tags=["Routes"], route_class=JSONRoute)
 
 RouteId = Annotated[
     str, Path(description="`<request id>-<choice index>`, `[A-Za-z0-9._:-]{1,128}`")

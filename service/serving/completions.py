@@ -125,6 +125,7 @@ class _ServingGeneration(abc.ABC, Generic[R]):
     endpoint: ClassVar[str]  # metrics label
     id_prefix: ClassVar[str]  # of generated request ids
     chunk_object: ClassVar[str]
+    prompt_field: ClassVar[str]  # the field that carries the prompt, for error messages
 
     def __init__(
         self,
@@ -225,6 +226,17 @@ class _ServingGeneration(abc.ABC, Generic[R]):
             raise InvalidRequestError(
                 f"{f}={rt} exceeds the model's context of {info.max_model_len} tokens", param=f
             )
+        if info.max_token_bytes:
+            # Refuse what cannot fit before the chat template and tokenizer spend time on it
+            # (a 1 MB message took the event loop ~1 s to render).
+            least = request.prompt_chars() // info.max_token_bytes
+            if least >= info.max_model_len:
+                f = self.prompt_field
+                raise InvalidRequestError(
+                    f"{f}: {request.prompt_chars()} characters are at least {least} tokens; the "
+                    f"model's context is {info.max_model_len} tokens",
+                    param=f,
+                )
 
     def _model_name(self, request: R) -> str:
         return request.model or self.backend.info.name
@@ -436,6 +448,7 @@ class ServingChat(_ServingGeneration[ChatCompletionRequest]):
     endpoint = "chat"
     id_prefix = "chatcmpl"
     chunk_object = "chat.completion.chunk"
+    prompt_field = "messages"
 
     def _generate(
         self, greq: GenerationRequest[ChatCompletionRequest]
@@ -517,6 +530,7 @@ class ServingCompletion(_ServingGeneration[CompletionRequest]):
     endpoint = "completions"
     id_prefix = "cmpl"
     chunk_object = "text_completion"
+    prompt_field = "prompt"
 
     def _check(self, request: CompletionRequest) -> None:
         super()._check(request)

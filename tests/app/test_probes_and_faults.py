@@ -148,6 +148,30 @@ async def test_redis_full_routes_reported_failed_never_half_written() -> None:
             assert again.json()["choices"][0]["routed_experts"]["status"] == "stored"
 
 
+async def test_engine_death_is_fatal_after_the_grace_period(redis_url: str) -> None:
+    import httpx
+
+    from routereplay.service import Settings, create_app
+    from routereplay.service.synthetic import SyntheticBackend
+
+    fatal: list[str] = []
+    backend = SyntheticBackend(MODEL)
+    await backend.start()
+    settings = Settings(redis_url=redis_url, route_prefix="fatal", engine_death_grace_s=0.5)
+    app = create_app(settings, backend=backend, on_fatal=fatal.append)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            await asyncio.sleep(0.6)
+            assert not fatal  # alive: nothing happens
+            backend.kill()
+            await asyncio.sleep(0.7)
+            assert not fatal  # dead, within the grace period: 503s meanwhile
+            assert (await c.get("/health")).status_code == 503
+            await asyncio.sleep(0.8)
+            assert fatal and "engine died" in fatal[0]
+
+
 @pytest.mark.parametrize("path", ["/health", "/ready", "/v1/models"])
 async def test_probes_before_the_lifespan_are_503(path: str, redis_url: str) -> None:
     import httpx

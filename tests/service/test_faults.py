@@ -1,4 +1,5 @@
-"""The real in-process engine dying: EngineDeadError reported, never a hang, nothing half-stored.
+"""The real in-process engine dying: EngineDeadError reported, never a hang, nothing half-stored,
+then the process exits with status 3 so its supervisor restarts it.
 
 Uses its own service (its engine is killed on purpose); the session's is unaffected. Redis
 faults (full, gone) need no engine and are covered in tests/app/test_probes_and_faults.py.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +19,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from routereplay.service.cli import ENGINE_DEAD_EXIT
 
 from ._procs import engine_env, free_port, process, serve_argv
 from .conftest import MODEL_NAME
@@ -44,7 +48,7 @@ def engine_core_pids(parent: int) -> list[int]:
 @dataclass
 class FaultyService:
     url: str
-    pid: int
+    proc: subprocess.Popen
 
 
 @pytest.fixture(scope="module")
@@ -56,15 +60,16 @@ def faulty(
     argv = serve_argv(
         "--port", str(port), "--redis-url", redis_url, "--route-prefix", "faulty",
         "--model-dir", str(tiny_model.parent), "--log-level", "warning",
+        "--engine-death-grace-s", "4",
     )  # fmt: skip
     log = tmp_path_factory.mktemp("faulty") / "serve.log"
     with process(argv, f"{url}/ready", log, engine_env()) as proc:
-        yield FaultyService(url, proc.pid)
+        yield FaultyService(url, proc)
 
 
 def test_engine_death_mid_stream(faulty: FaultyService) -> None:
     url = faulty.url
-    cores = engine_core_pids(faulty.pid)
+    cores = engine_core_pids(faulty.proc.pid)
     assert cores, "no engine core process found"
     lines: list[str] = []
 
@@ -102,3 +107,5 @@ def test_engine_death_mid_stream(faulty: FaultyService) -> None:
     assert httpx.get(f"{url}/ready").status_code == 503
     # The interrupted choice was never published.
     assert httpx.get(f"{url}/v1/routes/doomed-0").status_code == 404
+    # After its grace period the service exits with status 3, for its supervisor to restart it.
+    assert faulty.proc.wait(timeout=60) == ENGINE_DEAD_EXIT
