@@ -4,11 +4,13 @@ This layer is light on purpose (numpy, msgpack, zstandard, redis, httpx): both t
 trainer import it.
 """
 
-from ._codec import BATCH_MEDIA_TYPE, FORMAT_VERSION, MEDIA_TYPE, decode_record, encode_record
+from ._batch import BATCH_MEDIA_TYPE, RawBatch
+from ._codec import FORMAT_VERSION, MEDIA_TYPE, decode_record, encode_record
 from ._errors import (
     RouteConnectionError,
     RouteCorruptError,
     RouteError,
+    RouteEvictedError,
     RouteForeignFormatError,
     RouteNotFoundError,
     RouteServiceError,
@@ -32,9 +34,11 @@ __all__ = [
     "AsyncRoutesClient",
     "KeySchema",
     "PutResult",
+    "RawBatch",
     "RouteConnectionError",
     "RouteCorruptError",
     "RouteError",
+    "RouteEvictedError",
     "RouteForeignFormatError",
     "RouteNotFoundError",
     "RouteRecord",

@@ -47,7 +47,6 @@ from ._errors import (
 from ._record import RouteRecord, expert_dtype
 
 __all__ = [
-    "BATCH_MEDIA_TYPE",
     "FORMAT_VERSION",
     "MEDIA_TYPE",
     "decode_record",
@@ -58,7 +57,6 @@ MAGIC = b"RRTE"
 FORMAT_VERSION = 1
 MEDIA_TYPE = "application/vnd.routereplay.record"
 # POST /v1/routes:batch answers msgpack {"records": {id: blob}, "missing": [ids]}.
-BATCH_MEDIA_TYPE = "application/vnd.routereplay.records+msgpack"
 
 KIND_RECORD = 1
 KIND_CHUNK = 2
@@ -238,12 +236,17 @@ def canonicalize(lm: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Block:
-    """Decoded body: ``token_ids`` [T] int64, ``experts`` layer-major [M, T, K], ``valid`` [T]."""
+    """Decoded body: ``token_ids`` [T] int64, ``experts`` layer-major [M, T, K], ``valid`` [T].
+
+    ``prev_chain``: for a store chunk, the token chain before its first row (what its content
+    address is computed from); None for whole records and chunks of older writers.
+    """
 
     token_ids: np.ndarray
     experts: np.ndarray
     valid: np.ndarray
     canonical: bool
+    prev_chain: bytes | None = None
 
 
 def encode_body(
@@ -324,7 +327,16 @@ def decode_body(p: dict[str, Any], what: str) -> Block:
         lm = np.cumsum(lm, axis=1, dtype=dtype)
     elif xf == XF_GAPS:
         lm = _ungaps(lm)
-    return Block(token_ids=token_ids, experts=lm, valid=valid.astype(bool), canonical=canonical)
+    prev = p.get("pc")
+    if prev is not None and not isinstance(prev, bytes):
+        raise RouteCorruptError(f"{what}: chain field has the wrong type")
+    return Block(
+        token_ids=token_ids,
+        experts=lm,
+        valid=valid.astype(bool),
+        canonical=canonical,
+        prev_chain=prev,
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ __all__ = [
     "RouteConnectionError",
     "RouteCorruptError",
     "RouteError",
+    "RouteEvictedError",
     "RouteForeignFormatError",
     "RouteNotFoundError",
     "RouteServiceError",
@@ -36,7 +37,13 @@ class RouteNotFoundError(RouteError, KeyError):
 
 
 class RouteCorruptError(RouteError, ValueError):
-    """Stored bytes fail their checksum or structure, or a chunk a manifest names is missing."""
+    """Stored bytes fail their checksum, structure or content address, or a chunk a manifest
+    names is missing."""
+
+
+class RouteEvictedError(RouteCorruptError):
+    """A chunk the record's manifest names is gone (expired or evicted before the manifest):
+    the record cannot be read. ``missing_ok`` reads report it as missing."""
 
 
 class RouteTruncatedError(RouteCorruptError):

@@ -2,7 +2,8 @@
 
 Endpoints (see docs/CONTRACTS.md):
     GET    /v1/routes/{route_id}?start=N   -> one binary record
-    POST   /v1/routes:batch                -> msgpack {"records": {id: blob}, "missing": [...]}
+    POST   /v1/routes:batch                -> the stored bytes (manifests + distinct chunks);
+                                              the client assembles and verifies each record
     DELETE /v1/routes/{route_id}
 
 Requests are built and responses parsed by module functions shared by both clients, so they
@@ -15,16 +16,17 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx
-import msgpack
 
-from ._codec import BATCH_MEDIA_TYPE, MEDIA_TYPE, decode_record
+from ._batch import BATCH_MEDIA_TYPE, RawBatch, resolve_results
+from ._codec import MEDIA_TYPE, decode_record
 from ._errors import (
     RouteConnectionError,
     RouteCorruptError,
+    RouteError,
     RouteNotFoundError,
     RouteServiceError,
 )
-from ._layout import validate_route_id
+from ._layout import finish_read, plan_read, validate_route_id
 from ._record import RouteRecord
 
 __all__ = ["AsyncRoutesClient", "RoutesClient"]
@@ -59,33 +61,43 @@ def _parse_get(resp: httpx.Response, route_id: str) -> RouteRecord:
     return decode_record(resp.content, what=f"route {route_id!r} from the service")
 
 
-def _batch_request(route_ids: Sequence[str], start: int) -> dict[str, Any]:
-    ids = [validate_route_id(r) for r in route_ids]
-    return {"json": {"ids": ids, "start": start}, "headers": {"Accept": BATCH_MEDIA_TYPE}}
+class _BatchRead:
+    """One ``get_many`` over HTTP: requests until no id is deferred (the service caps the bytes
+    of one response), then every record assembled and verified here from the stored bytes."""
 
+    def __init__(self, route_ids: Sequence[str], start: int) -> None:
+        self.ids = [validate_route_id(r) for r in route_ids]
+        self.start = start
+        self.pending = list(dict.fromkeys(self.ids))
+        self.got = RawBatch()
 
-def _parse_batch(
-    resp: httpx.Response, route_ids: Sequence[str], missing_ok: bool
-) -> list[RouteRecord | None]:
-    _raise_for(resp)
-    try:
-        body = msgpack.unpackb(resp.content, raw=False)
-        blobs: dict[str, bytes] = body["records"]
-        missing = set(body.get("missing", []))
-    except Exception as exc:
-        raise RouteCorruptError(f"batch response from the service is malformed: {exc}") from exc
-    if missing and not missing_ok:
-        first = next(r for r in route_ids if r in missing)
-        raise RouteNotFoundError(first, f"{len(missing)} of {len(route_ids)} ids not found")
-    out: list[RouteRecord | None] = []
-    for rid in route_ids:
-        if rid in missing:
-            out.append(None)
-        elif rid not in blobs:
-            raise RouteCorruptError(f"batch response lacks route {rid!r}")
-        else:
-            out.append(decode_record(blobs[rid], what=f"route {rid!r} from the service"))
-    return out
+    def next_request(self) -> dict[str, Any] | None:
+        if not self.pending:
+            return None
+        return {
+            "json": {"ids": self.pending, "start": self.start},
+            "headers": {"Accept": BATCH_MEDIA_TYPE},
+        }
+
+    def add(self, resp: httpx.Response) -> None:
+        _raise_for(resp)
+        part = RawBatch.unpack(resp.content)
+        if set(part.deferred) >= set(self.pending):
+            raise RouteCorruptError("the service made no progress on a batch (every id deferred)")
+        self.got.manifests.update(part.manifests)
+        self.got.chunks.update(part.chunks)
+        self.got.errors.update(part.errors)
+        self.pending = part.deferred
+
+    def results(self, missing_ok: bool, return_exceptions: bool) -> list[Any]:
+        plan = plan_read(self.ids, [self.got.manifests.get(i) for i in self.ids], self.start)
+        results: list[RouteRecord | RouteError | None] = finish_read(plan, self.got.chunks)
+        for n, rid in enumerate(self.ids):
+            if rid in self.got.errors:
+                results[n] = self.got.errors[rid]
+        return resolve_results(
+            self.ids, results, missing_ok=missing_ok, return_exceptions=return_exceptions
+        )
 
 
 def _parse_delete(resp: httpx.Response, route_id: str) -> bool:
@@ -126,13 +138,19 @@ class RoutesClient:
         return _parse_get(self._send("GET", url, **kw), route_id)
 
     def get_many(
-        self, route_ids: Sequence[str], *, start: int = 0, missing_ok: bool = False
-    ) -> list[RouteRecord | None]:
-        """Records for ``route_ids`` in order, in one request."""
-        if not route_ids:
-            return []
-        resp = self._send("POST", "/v1/routes:batch", **_batch_request(route_ids, start))
-        return _parse_batch(resp, route_ids, missing_ok)
+        self,
+        route_ids: Sequence[str],
+        *,
+        start: int = 0,
+        missing_ok: bool = False,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Records for ``route_ids`` in order (as :meth:`RouteStore.get_many`): one request
+        unless the service defers some ids past its byte cap; shared prefixes cross once."""
+        read = _BatchRead(route_ids, start)
+        while (req := read.next_request()) is not None:
+            read.add(self._send("POST", "/v1/routes:batch", **req))
+        return read.results(missing_ok, return_exceptions)
 
     def delete(self, route_id: str) -> bool:
         """Delete a record; False if it did not exist."""
@@ -176,13 +194,18 @@ class AsyncRoutesClient:
         return _parse_get(await self._send("GET", url, **kw), route_id)
 
     async def get_many(
-        self, route_ids: Sequence[str], *, start: int = 0, missing_ok: bool = False
-    ) -> list[RouteRecord | None]:
+        self,
+        route_ids: Sequence[str],
+        *,
+        start: int = 0,
+        missing_ok: bool = False,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
         """See :meth:`RoutesClient.get_many`."""
-        if not route_ids:
-            return []
-        resp = await self._send("POST", "/v1/routes:batch", **_batch_request(route_ids, start))
-        return _parse_batch(resp, route_ids, missing_ok)
+        read = _BatchRead(route_ids, start)
+        while (req := read.next_request()) is not None:
+            read.add(await self._send("POST", "/v1/routes:batch", **req))
+        return read.results(missing_ok, return_exceptions)
 
     async def delete(self, route_id: str) -> bool:
         """See :meth:`RoutesClient.delete`."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +40,7 @@ from ._codec import (
     record_from_parts,
     unframe,
 )
-from ._errors import RouteCorruptError, RouteShapeError
+from ._errors import RouteCorruptError, RouteError, RouteEvictedError, RouteShapeError
 from ._record import RouteRecord, expert_dtype
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_TTL_S", "KeySchema", "PutResult", "validate_route_id"]
@@ -117,6 +118,15 @@ def chain_seed(
     )
 
 
+def _chunk_digest(chain: bytes, valid: np.ndarray, rows_lm: np.ndarray) -> bytes:
+    """A chunk's content address: its token chain, validity bits and layer-major rows."""
+    return _h(chain, np.packbits(valid).tobytes(), np.ascontiguousarray(rows_lm).tobytes())
+
+
+def _next_chain(prev: bytes, token_ids: np.ndarray) -> bytes:
+    return _h(prev, token_ids.astype("<u4", copy=False).tobytes())
+
+
 def token_chain(seed: bytes, token_ids: np.ndarray, block_size: int, n_blocks: int) -> list[bytes]:
     """``chain[i] = H(chain[i-1] | tokens of block i)``, for the first ``n_blocks`` blocks."""
     tok = token_ids.astype("<u4", copy=False)
@@ -144,6 +154,7 @@ class PutPlan:
     spans: list[tuple[int, int]]
     chunk_keys: list[str]
     block_rows: list[np.ndarray]  # contiguous [M, b, K] per chunk, reused by the encoder
+    prev_chains: list[bytes]  # token chain before each chunk: readers verify the address with it
     index_entries: list[tuple[str, bytes]]
     manifest_key: str
     manifest_blob: bytes
@@ -161,6 +172,7 @@ class PutPlan:
                 canonical_order=self.canonical,
                 presorted=True,
             )
+            payload["pc"] = self.prev_chains[i]
             self.encoded[i] = frame(KIND_CHUNK, payload)
         return self.encoded[i]
 
@@ -187,7 +199,7 @@ def plan_put(
     for (a, b), chain in zip(spans, chains, strict=True):
         rows = np.ascontiguousarray(lm[:, a:b, :])
         valid = record.valid[a:b]
-        digest = _h(chain, np.packbits(valid).tobytes(), rows.tobytes())
+        digest = _chunk_digest(chain, valid, rows)
         chunk_digests.append(digest)
         block_rows.append(rows)
         if b - a == block_size and valid.all():
@@ -209,6 +221,7 @@ def plan_put(
         spans=spans,
         chunk_keys=[keys.chunk(d) for d in chunk_digests],
         block_rows=block_rows,
+        prev_chains=[seed, *chains[:-1]],
         index_entries=index_entries,
         manifest_key=keys.manifest(route_id),
         manifest_blob=frame(KIND_MANIFEST, manifest),
@@ -228,7 +241,7 @@ class Manifest:
     K: int
     E: int
     block_size: int
-    chunk_keys: list[str]
+    digests: list[bytes]
 
     def needed(self, start: int) -> list[int]:
         """Indices of the chunks that hold rows ``start..T``."""
@@ -236,46 +249,76 @@ class Manifest:
             raise RouteShapeError(
                 f"route {self.route_id!r}: start={start} out of range [0, {self.T}]"
             )
-        return list(range(start // self.block_size, len(self.chunk_keys)))
+        return list(range(start // self.block_size, len(self.digests)))
+
+    def seed(self) -> bytes:
+        """The token chain before chunk 0 (see :func:`chain_seed`)."""
+        f = self.fields
+        return chain_seed(str(f["model"]), self.E, self.K, tuple(f["moe"]), self.block_size)
 
 
-def parse_manifest(keys: KeySchema, route_id: str, blob: bytes) -> Manifest:
+def parse_manifest(route_id: str, blob: bytes) -> Manifest:
     what = f"manifest of route {route_id!r}"
     p = unframe(blob, KIND_MANIFEST, what)
     try:
         T, M, K, E, bs = (int(p[k]) for k in ("T", "M", "K", "E", "bs"))
-        chunks = [keys.chunk(bytes(d)) for d in p["chunks"]]
+        digests = [bytes(d) for d in p["chunks"]]
     except (KeyError, TypeError, ValueError) as exc:
         raise RouteCorruptError(f"{what}: field missing or malformed: {exc}") from exc
-    if bs < 1 or len(chunks) != -(-T // bs):
-        raise RouteCorruptError(f"{what}: {len(chunks)} chunks cannot hold {T} rows of block {bs}")
+    if bs < 1 or len(digests) != -(-T // bs):
+        raise RouteCorruptError(f"{what}: {len(digests)} chunks cannot hold {T} rows of block {bs}")
     if p.get("id") != route_id:
         raise RouteCorruptError(f"{what}: manifest belongs to route {p.get('id')!r}")
-    return Manifest(route_id, p, T, M, K, E, bs, chunks)
+    return Manifest(route_id, p, T, M, K, E, bs, digests)
 
 
-def decode_chunk(key: str, blob: bytes, m: Manifest, index: int) -> Block:
-    what = f"chunk {index} ({key}) of route {m.route_id!r}"
-    p = unframe(blob, KIND_CHUNK, what)
-    block = decode_body(p, what)
-    want_t = min(m.block_size, m.T - index * m.block_size)
-    got = block.experts.shape
-    if got != (m.M, want_t, m.K) or int(p["E"]) != m.E:
-        raise RouteCorruptError(
-            f"{what}: holds rows {got} of E={p['E']}, expected {(m.M, want_t, m.K)} of E={m.E}"
-        )
+def decode_chunk(digest: bytes, blob: bytes) -> Block:
+    """Decode a chunk and check it against its content address (chunks of this version carry
+    the chain they were addressed with; older ones are checked as they are assembled)."""
+    what = f"chunk {digest.hex()}"
+    block = decode_body(unframe(blob, KIND_CHUNK, what), what)
+    if block.prev_chain is not None:
+        chain = _next_chain(block.prev_chain, block.token_ids)
+        if _chunk_digest(chain, block.valid, block.experts) != digest:
+            raise RouteCorruptError(
+                f"{what}: content does not match its address (a chunk stored under another "
+                "chunk's key, or altered bytes)"
+            )
     return block
 
 
-def assemble(m: Manifest, blocks: dict[str, Block], start: int = 0) -> RouteRecord:
-    """Join decoded chunks into the record's rows ``start..T``."""
+def _check_chunk(m: Manifest, index: int, block: Block, prev: bytes | None) -> bytes | None:
+    """Check that ``block`` is chunk ``index`` of ``m``; returns its token chain (None if it
+    cannot be known: an older chunk read from the middle of a record)."""
+    what = f"chunk {index} ({m.digests[index].hex()}) of route {m.route_id!r}"
+    want_t = min(m.block_size, m.T - index * m.block_size)
+    got = block.experts.shape
+    if got != (m.M, want_t, m.K):
+        raise RouteCorruptError(f"{what}: holds rows {got}, expected {(m.M, want_t, m.K)}")
+    if block.prev_chain is not None:
+        if prev is not None and block.prev_chain != prev:
+            raise RouteCorruptError(f"{what}: does not continue the record's token chain")
+        return _next_chain(block.prev_chain, block.token_ids)
+    if prev is None:
+        return None
+    chain = _next_chain(prev, block.token_ids)
+    if _chunk_digest(chain, block.valid, block.experts) != m.digests[index]:
+        raise RouteCorruptError(f"{what}: content does not match its address")
+    return chain
+
+
+def assemble(m: Manifest, blocks: Mapping[bytes, Block], start: int = 0) -> RouteRecord:
+    """Join decoded chunks into the record's rows ``start..T``, checking each one belongs."""
     n = m.T - start
     lm = np.empty((m.M, n, m.K), dtype=expert_dtype(m.E))
     tok = np.empty(n, dtype=np.int64)
     valid = np.empty(n, dtype=bool)
     bs = m.block_size
-    for i in m.needed(start):
-        blk = blocks[m.chunk_keys[i]]
+    needed = m.needed(start)
+    prev = m.seed() if needed and needed[0] == 0 else None
+    for i in needed:
+        blk = blocks[m.digests[i]]
+        prev = _check_chunk(m, i, blk, prev)
         a = i * bs
         lo = max(start - a, 0)
         dst = slice(a + lo - start, a + blk.token_ids.shape[0] - start)
@@ -294,6 +337,87 @@ def assemble(m: Manifest, blocks: dict[str, Block], start: int = 0) -> RouteReco
     )
 
 
+ReadResult = RouteRecord | RouteError | None
+
+
+@dataclass
+class ReadPlan:
+    """A read after its manifests arrived: which chunks it needs, and the per-id outcomes known
+    so far (a missing manifest is None, a malformed one its error)."""
+
+    start: int
+    results: list[ReadResult]
+    manifests: list[tuple[int, Manifest, list[int]]]  # (position, manifest, needed chunks)
+
+    def digests(self) -> list[bytes]:
+        """Distinct chunk digests the read needs, in first-use order."""
+        seen: dict[bytes, None] = {}
+        for _, m, needed in self.manifests:
+            for i in needed:
+                seen.setdefault(m.digests[i])
+        return list(seen)
+
+
+def plan_read(
+    route_ids: Sequence[str], manifest_blobs: Sequence[bytes | None], start: int = 0
+) -> ReadPlan:
+    plan = ReadPlan(start, [None] * len(route_ids), [])
+    for idx, (rid, blob) in enumerate(zip(route_ids, manifest_blobs, strict=True)):
+        if blob is None:
+            continue
+        try:
+            m = parse_manifest(rid, blob)
+            plan.manifests.append((idx, m, m.needed(start)))
+        except RouteError as e:
+            plan.results[idx] = e
+    return plan
+
+
+def finish_read(plan: ReadPlan, chunk_blobs: Mapping[bytes, bytes | None]) -> list[ReadResult]:
+    """The records of ``plan`` from their chunks' bytes (digest -> bytes, None: gone).
+
+    Each distinct chunk is decoded and checked against its address once. A result is the record,
+    None (no manifest), or the error that id alone hit: :class:`RouteEvictedError` (a chunk is
+    gone), :class:`RouteCorruptError` (bytes fail a check), :class:`RouteShapeError` (``start``
+    out of range). One bad record never fails the others.
+    """
+    out = list(plan.results)
+    decoded: dict[bytes, Block | RouteError | None] = {}
+    for d in plan.digests():
+        blob = chunk_blobs.get(d)
+        try:
+            decoded[d] = None if blob is None else decode_chunk(d, blob)
+        except RouteError as e:
+            decoded[d] = e
+    for idx, m, needed in plan.manifests:
+        problems = [
+            decoded[m.digests[i]] for i in needed if not isinstance(decoded[m.digests[i]], Block)
+        ]
+        if any(p is None for p in problems):
+            out[idx] = RouteEvictedError(
+                f"route {m.route_id!r}: a chunk named by its manifest is missing (expired or "
+                "evicted before the manifest)"
+            )
+        elif problems:
+            out[idx] = type(problems[0])(f"route {m.route_id!r}: {problems[0]}")
+        else:
+            try:
+                out[idx] = assemble(m, decoded, plan.start)  # type: ignore[arg-type]
+            except RouteError as e:
+                out[idx] = e
+    return out
+
+
+def read_records(
+    route_ids: Sequence[str],
+    manifest_blobs: Sequence[bytes | None],
+    chunk_blobs: Mapping[bytes, bytes | None],
+    start: int = 0,
+) -> list[ReadResult]:
+    """:func:`plan_read` then :func:`finish_read`: records from stored bytes, one result per id."""
+    return finish_read(plan_read(route_ids, manifest_blobs, start), chunk_blobs)
+
+
 # ---------------------------------------------------------------------------------------------
 # prefix index
 # ---------------------------------------------------------------------------------------------
@@ -305,20 +429,25 @@ class FillPlan:
     block_size: int
     blocks: list[int]
     index_keys: list[str]
+    chains: list[bytes]  # token chain of each of those blocks: what its chunk is addressed by
 
 
 def plan_fill(keys: KeySchema, record: RouteRecord, block_size: int) -> FillPlan:
     full = record.num_tokens // block_size
     need = [i for i in range(full) if not record.valid[i * block_size : (i + 1) * block_size].all()]
     if not need:
-        return FillPlan(record, block_size, [], [])
+        return FillPlan(record, block_size, [], [], [])
     seed = chain_seed(record.model, record.num_experts, record.top_k, record.moe_layers, block_size)
     chains = token_chain(seed, record.token_ids, block_size, need[-1] + 1)
-    return FillPlan(record, block_size, need, [keys.index(chains[i]) for i in need])
+    return FillPlan(
+        record, block_size, need, [keys.index(chains[i]) for i in need], [chains[i] for i in need]
+    )
 
 
-def apply_fill(plan: FillPlan, chunks: dict[int, tuple[str, bytes]]) -> tuple[RouteRecord, int]:
-    """Copy valid rows of the found chunks into the record's invalid rows."""
+def apply_fill(plan: FillPlan, chunks: dict[int, tuple[bytes, bytes]]) -> tuple[RouteRecord, int]:
+    """Copy valid rows of the found chunks (block -> (digest, bytes)) into the record's invalid
+    rows. A chunk whose content does not match the address the index gave for this exact token
+    prefix is not trusted: its rows stay invalid."""
     rec = plan.record
     if not chunks:
         return rec, 0
@@ -326,14 +455,17 @@ def apply_fill(plan: FillPlan, chunks: dict[int, tuple[str, bytes]]) -> tuple[Ro
     valid = rec.valid.copy()
     filled = 0
     bs = plan.block_size
-    for i, (key, blob) in chunks.items():
-        what = f"prefix-index chunk {key}"
+    chain_of = dict(zip(plan.blocks, plan.chains, strict=True))
+    for i, (digest, blob) in chunks.items():
+        what = f"prefix-index chunk {digest.hex()}"
         block = decode_body(unframe(blob, KIND_CHUNK, what), what)
         a, b = i * bs, (i + 1) * bs
-        if block.experts.shape != (rec.num_moe_layers, bs, rec.top_k) or not np.array_equal(
-            block.token_ids, rec.token_ids[a:b]
+        if (
+            block.experts.shape != (rec.num_moe_layers, bs, rec.top_k)
+            or not np.array_equal(block.token_ids, rec.token_ids[a:b])
+            or _chunk_digest(chain_of[i], block.valid, block.experts) != digest
         ):
-            # A chain-hash hit whose content disagrees is not ours to trust: leave rows invalid.
+            # A hit whose content disagrees with its address is not ours to trust.
             continue
         take = ~valid[a:b] & block.valid
         if take.any():

@@ -19,26 +19,23 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 
+from ._batch import RawBatch, resolve_results
 from ._errors import (
     RouteConnectionError,
-    RouteCorruptError,
-    RouteNotFoundError,
+    RouteError,
     RouteStoreError,
 )
 from ._layout import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_TTL_S,
-    Block,
     KeySchema,
-    Manifest,
     PutPlan,
     PutResult,
     apply_fill,
-    assemble,
-    decode_chunk,
-    parse_manifest,
+    finish_read,
     plan_fill,
     plan_put,
+    plan_read,
     validate_route_id,
 )
 from ._record import RouteRecord
@@ -73,13 +70,6 @@ def _redis_errors(where: str) -> Iterator[None]:
         raise RouteStoreError(
             f"redis {where} refused a command ({type(exc).__name__}): {first[:200]}"
         ) from exc
-
-
-def _missing_chunk(m: Manifest, key: str) -> RouteCorruptError:
-    return RouteCorruptError(
-        f"route {m.route_id!r}: chunk {key} named by its manifest is missing "
-        "(expired or evicted before the manifest)"
-    )
 
 
 # A batch of commands: (pipeline method name, args, kwargs). An operation yields batches and is
@@ -134,36 +124,42 @@ def _put(plan: PutPlan, ttl: int) -> Op:
     )
 
 
-def _get_many(keys: KeySchema, ids: list[str], start: int, missing_ok: bool) -> Op:
+def _get_many(keys: KeySchema, ids: list[str], start: int) -> Op:
+    """One result per id (record, None, or that id's error); each shared chunk read once."""
     blobs = yield [_cmd("get", keys.manifest(rid)) for rid in ids]
-    manifests: list[Manifest | None] = []
-    for rid, blob in zip(ids, blobs, strict=True):
-        if blob is None and not missing_ok:
-            raise RouteNotFoundError(rid)
-        manifests.append(None if blob is None else parse_manifest(keys, rid, blob))
-    wanted: dict[str, tuple[Manifest, int]] = {}
-    for m in manifests:
-        if m is not None:
-            for i in m.needed(start):
-                wanted.setdefault(m.chunk_keys[i], (m, i))
-    blobs = (yield [_cmd("get", key) for key in wanted]) if wanted else []
-    blocks: dict[str, Block] = {}
-    lost: set[str] = set()  # chunk keys that are gone (evicted): their records cannot be read
-    for (key, (m, i)), blob in zip(wanted.items(), blobs, strict=True):
-        if blob is None:
-            if not missing_ok:
-                raise _missing_chunk(m, key)
-            lost.add(key)
-        else:
-            blocks[key] = decode_chunk(key, blob, m, i)
-    # With missing_ok, a record that lost a chunk is reported missing; the rest of the batch
-    # is still served.
-    return [
-        None
-        if m is None or any(m.chunk_keys[i] in lost for i in m.needed(start))
-        else assemble(m, blocks, start)
-        for m in manifests
-    ]
+    plan = plan_read(ids, blobs, start)
+    digests = plan.digests()
+    chunks = (yield [_cmd("get", keys.chunk(d)) for d in digests]) if digests else []
+    return finish_read(plan, dict(zip(digests, chunks, strict=True)))
+
+
+def _raw_batch(keys: KeySchema, ids: list[str], start: int, max_bytes: int) -> Op:
+    """The stored bytes of ``ids`` (manifests and the distinct chunks rows ``start..`` need),
+    undecoded, for a reader elsewhere to assemble and verify. Stops taking ids once the chunk
+    bytes pass ``max_bytes`` (always taking the first), so memory stays bounded: those not
+    taken are returned as ``deferred``."""
+    blobs = yield [_cmd("get", keys.manifest(rid)) for rid in ids]
+    plan = plan_read(ids, blobs, start)
+    batch = RawBatch()
+    for idx, rid in enumerate(ids):
+        if blobs[idx] is None:
+            batch.missing.append(rid)
+        elif isinstance(plan.results[idx], RouteError):
+            batch.errors[rid] = plan.results[idx]  # type: ignore[assignment]
+    total = 0
+    for n, (idx, m, needed) in enumerate(plan.manifests):
+        if total > max_bytes and n > 0:
+            batch.deferred.extend(m.route_id for _, m, _ in plan.manifests[n:])
+            break
+        new = [m.digests[i] for i in needed if m.digests[i] not in batch.chunks]
+        new = list(dict.fromkeys(new))
+        got = (yield [_cmd("get", keys.chunk(d)) for d in new]) if new else []
+        for d, blob in zip(new, got, strict=True):
+            batch.chunks[d] = blob
+            total += len(blob or b"")
+        batch.manifests[m.route_id] = blobs[idx]
+    batch.num_bytes = total + sum(len(b) for b in batch.manifests.values())
+    return batch
 
 
 def _fill(keys: KeySchema, record: RouteRecord, block_size: int) -> Op:
@@ -171,11 +167,11 @@ def _fill(keys: KeySchema, record: RouteRecord, block_size: int) -> Op:
     if not plan.blocks:
         return record, 0
     digests = yield [_cmd("get", key) for key in plan.index_keys]
-    hits = [(i, keys.chunk(d)) for i, d in zip(plan.blocks, digests, strict=True) if d]
+    hits = [(i, bytes(d)) for i, d in zip(plan.blocks, digests, strict=True) if d]
     if not hits:
         return record, 0
-    blobs = yield [_cmd("get", key) for _, key in hits]
-    found = {i: (key, b) for (i, key), b in zip(hits, blobs, strict=True) if b is not None}
+    blobs = yield [_cmd("get", keys.chunk(d)) for _, d in hits]
+    found = {i: (d, b) for (i, d), b in zip(hits, blobs, strict=True) if b is not None}
     return apply_fill(plan, found)
 
 
@@ -241,8 +237,11 @@ class _Common:
         )
         return _put(plan, self.ttl_s if ttl_s is None else ttl_s)
 
-    def _get_op(self, route_ids: Sequence[str], start: int, missing_ok: bool) -> Op:
-        return _get_many(self.keys, [validate_route_id(r) for r in route_ids], start, missing_ok)
+    def _get_op(self, route_ids: Sequence[str], start: int) -> Op:
+        return _get_many(self.keys, [validate_route_id(r) for r in route_ids], start)
+
+    def _raw_op(self, route_ids: Sequence[str], start: int, max_bytes: int) -> Op:
+        return _raw_batch(self.keys, [validate_route_id(r) for r in route_ids], start, max_bytes)
 
     def _manifest_key(self, route_id: str) -> str:
         return self.keys.manifest(validate_route_id(route_id))
@@ -299,16 +298,35 @@ class RouteStore(_Common):
 
     def get(self, route_id: str, *, start: int = 0) -> RouteRecord:
         """The record stored under ``route_id``, rows ``start..T`` (RouteNotFoundError if none)."""
-        return self._run(self._get_op([route_id], start, False))[0]
+        return self.get_many([route_id], start=start)[0]  # type: ignore[return-value]
 
     def get_many(
-        self, route_ids: Sequence[str], *, start: int = 0, missing_ok: bool = False
-    ) -> list[RouteRecord | None]:
-        """Records for ``route_ids`` in order; each distinct chunk is fetched and decoded once.
+        self,
+        route_ids: Sequence[str],
+        *,
+        start: int = 0,
+        missing_ok: bool = False,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Records for ``route_ids`` in order; each distinct chunk is fetched and decoded once,
+        and checked against its content address.
 
-        Unknown ids raise :class:`RouteNotFoundError`, or give None with ``missing_ok=True``.
+        Unknown ids raise :class:`RouteNotFoundError`, or give None with ``missing_ok=True`` (a
+        record whose chunk was evicted counts as missing). A record whose bytes fail a check
+        raises :class:`RouteCorruptError`; with ``return_exceptions=True`` each failing id's error
+        takes its place in the list instead and the other records are returned.
         """
-        return self._run(self._get_op(route_ids, start, missing_ok))
+        ids = list(route_ids)
+        results = self._run(self._get_op(ids, start))
+        return resolve_results(
+            ids, results, missing_ok=missing_ok, return_exceptions=return_exceptions
+        )
+
+    def get_raw(
+        self, route_ids: Sequence[str], *, start: int = 0, max_bytes: int = 1 << 62
+    ) -> RawBatch:
+        """The stored bytes of ``route_ids``, undecoded (what ``POST /v1/routes:batch`` sends)."""
+        return self._run(self._raw_op(route_ids, start, max_bytes))
 
     def exists(self, route_id: str) -> bool:
         with _redis_errors(self._where):
@@ -384,13 +402,28 @@ class AsyncRouteStore(_Common):
 
     async def get(self, route_id: str, *, start: int = 0) -> RouteRecord:
         """See :meth:`RouteStore.get`."""
-        return (await self._run(self._get_op([route_id], start, False), True))[0]
+        return (await self.get_many([route_id], start=start))[0]  # type: ignore[return-value]
 
     async def get_many(
-        self, route_ids: Sequence[str], *, start: int = 0, missing_ok: bool = False
-    ) -> list[RouteRecord | None]:
+        self,
+        route_ids: Sequence[str],
+        *,
+        start: int = 0,
+        missing_ok: bool = False,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
         """See :meth:`RouteStore.get_many`."""
-        return await self._run(self._get_op(route_ids, start, missing_ok), True)
+        ids = list(route_ids)
+        results = await self._run(self._get_op(ids, start), True)
+        return resolve_results(
+            ids, results, missing_ok=missing_ok, return_exceptions=return_exceptions
+        )
+
+    async def get_raw(
+        self, route_ids: Sequence[str], *, start: int = 0, max_bytes: int = 1 << 62
+    ) -> RawBatch:
+        """See :meth:`RouteStore.get_raw`."""
+        return await self._run(self._raw_op(route_ids, start, max_bytes))
 
     async def exists(self, route_id: str) -> bool:
         with _redis_errors(self._where):

@@ -29,6 +29,7 @@ __all__ = [
     "InvalidRequestError",
     "NotFoundError",
     "RequestTooLargeError",
+    "RouteCorruptResponse",
     "ServiceError",
     "StoreUnavailableError",
     "error_responses",
@@ -113,6 +114,15 @@ class NotFoundError(ServiceError):
     status_code = 404
     type = "not_found_error"
     default_code = "not_found"
+
+
+class RouteCorruptResponse(ServiceError):
+    """The stored bytes of a route fail their checks (checksum, structure, content address):
+    422, as retrying cannot help; the route must be generated again."""
+
+    status_code = 422
+    type = "route_corrupt_error"
+    default_code = "route_corrupt"
 
 
 class MethodNotAllowedError(ServiceError):

@@ -94,6 +94,9 @@ class Settings(BaseSettings):
         1 << 18, ge=0, description="records larger than this are built in a worker thread"
     )
     max_batch_ids: int = Field(1024, ge=1, description="ids per POST /v1/routes:batch")
+    max_batch_bytes: int = Field(
+        64 << 20, ge=1, description="stored bytes per batch response (the rest is deferred)"
+    )
 
     def resolved_model_name(self) -> str:
         if self.served_model_name:

@@ -59,7 +59,7 @@ class ServiceState:
             chat=ServingChat(backend, capture, metrics, request_ids),
             completion=ServingCompletion(backend, capture, metrics, request_ids),
             models=ServingModels(backend),
-            routes=ServingRoutes(store, settings.max_batch_ids),
+            routes=ServingRoutes(store, settings.max_batch_ids, settings.max_batch_bytes),
         )
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import msgpack
 from fastapi.responses import JSONResponse, Response
 
 from routereplay.client import (
     BATCH_MEDIA_TYPE,
     MEDIA_TYPE,
     AsyncRouteStore,
+    RouteCorruptError,
+    RouteEvictedError,
     RouteNotFoundError,
     RouteRecord,
     RouteShapeError,
@@ -19,7 +20,7 @@ from routereplay.client import (
     validate_route_id,
 )
 
-from ..errors import InvalidRequestError, NotFoundError
+from ..errors import InvalidRequestError, NotFoundError, RouteCorruptResponse
 from ..protocol import BatchRoutesRequest
 
 __all__ = ["ServingRoutes"]
@@ -61,40 +62,39 @@ def _as_json(route_id: str, rec: RouteRecord) -> dict[str, Any]:
 class ServingRoutes:
     """``GET``/``DELETE /v1/routes/{route_id}`` and ``POST /v1/routes:batch``."""
 
-    def __init__(self, store: AsyncRouteStore, max_batch_ids: int) -> None:
+    def __init__(self, store: AsyncRouteStore, max_batch_ids: int, max_batch_bytes: int) -> None:
         self.store = store
         self.max_batch_ids = max_batch_ids
+        self.max_batch_bytes = max_batch_bytes
 
     async def get(self, route_id: str, start: int, as_json: bool) -> Response:
         route_id = _route_id(route_id)
         try:
             rec = await self.store.get(route_id, start=start)
-        except RouteNotFoundError as e:
+        except (RouteNotFoundError, RouteEvictedError) as e:
             raise _not_found(route_id) from e
         except RouteShapeError as e:
             raise InvalidRequestError(f"start: {e}", param="start") from e
+        except RouteCorruptError as e:
+            raise RouteCorruptResponse(str(e), param="route_id") from e
         # Encoding (or listing) a long record is CPU work: keep it off the event loop.
         if as_json:
             return JSONResponse(await asyncio.to_thread(_as_json, route_id, rec))
         return Response(await asyncio.to_thread(encode_record, rec), media_type=MEDIA_TYPE)
 
     async def batch(self, body: BatchRoutesRequest) -> Response:
+        """The stored bytes of the ids (manifests + each distinct chunk once), undecoded; the
+        reader assembles and verifies them. Past ``max_batch_bytes`` the remaining ids are
+        listed as ``deferred`` for a next request (RoutesClient follows up by itself)."""
         if len(body.ids) > self.max_batch_ids:
             raise InvalidRequestError(
                 f"ids: {len(body.ids)} ids, at most {self.max_batch_ids} per batch", param="ids"
             )
-        ids = [_route_id(i) for i in body.ids]
-        try:
-            recs = await self.store.get_many(ids, start=body.start, missing_ok=True)
-        except RouteShapeError as e:
-            raise InvalidRequestError(f"start: {e}", param="start") from e
-
-        def pack() -> bytes:
-            records = {i: encode_record(r) for i, r in zip(ids, recs, strict=True) if r}
-            missing = [i for i, r in zip(ids, recs, strict=True) if r is None]
-            return msgpack.packb({"records": records, "missing": missing}, use_bin_type=True)
-
-        return Response(await asyncio.to_thread(pack), media_type=BATCH_MEDIA_TYPE)
+        ids = list(dict.fromkeys(_route_id(i) for i in body.ids))
+        raw = await self.store.get_raw(ids, start=body.start, max_bytes=self.max_batch_bytes)
+        # Packing many MB is CPU work: keep it off the event loop.
+        packed = await asyncio.to_thread(raw.pack) if raw.num_bytes > 1 << 20 else raw.pack()
+        return Response(packed, media_type=BATCH_MEDIA_TYPE)
 
     async def delete(self, route_id: str) -> dict[str, Any]:
         route_id = _route_id(route_id)

@@ -4,20 +4,20 @@ batches with missing ids, deletes, ``RoutesClient`` and ``AsyncRoutesClient``.""
 from __future__ import annotations
 
 import httpx
-import msgpack
 import numpy as np
 import pytest
 
 from routereplay.client import (
     BATCH_MEDIA_TYPE,
     AsyncRoutesClient,
+    RawBatch,
     RouteNotFoundError,
     RoutesClient,
     RouteServiceError,
     decode_record,
 )
 
-from .conftest import MODEL, App
+from .conftest import MODEL, App, running_app
 
 
 @pytest.fixture()
@@ -58,18 +58,45 @@ async def test_get_binary_json_and_start(stored: App) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "start"
 
 
-async def test_batch_with_missing(stored: App) -> None:
+async def test_batch_passes_stored_bytes_through(stored: App) -> None:
     http = stored.http
     ids = ["retrieval-1-0", "retrieval-1-1", "retrieval-nope-0"]
     r = await http.post("/v1/routes:batch", json={"ids": ids, "start": 3})
     assert r.status_code == 200 and r.headers["content-type"] == BATCH_MEDIA_TYPE
-    body = msgpack.unpackb(r.content, raw=False)
-    assert sorted(body["records"]) == ids[:2] and body["missing"] == ["retrieval-nope-0"]
-    for i in ids[:2]:
-        single = decode_record((await http.get(f"/v1/routes/{i}", params={"start": 3})).content)
-        assert decode_record(body["records"][i]).same_routes(single)
+    raw = RawBatch.unpack(r.content)
+    assert sorted(raw.manifests) == ids[:2] and raw.missing == ["retrieval-nope-0"]
+    assert not raw.errors and not raw.deferred
+    # The two samples share their 120-token prompt: its chunks cross HTTP once (126 rows in
+    # blocks of 16: chunks 0-6 hold prompt rows only and are shared; each sample has its own 7).
+    assert len(raw.chunks) == 7 + 2
+    recs = await stored.store.get_many(ids[:2], start=3)
+    async with AsyncRoutesClient(
+        "http://testserver", transport=httpx.ASGITransport(app=stored.app)
+    ) as rc:
+        got = await rc.get_many(ids, start=3, missing_ok=True)
+    assert got[0] == recs[0] and got[1] == recs[1] and got[2] is None
     too_many = await http.post("/v1/routes:batch", json={"ids": ["a"] * 1025})
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "ids"
+
+
+async def test_batch_byte_cap_defers_and_the_client_follows_up(redis_url: str) -> None:
+    async with running_app(redis_url, max_batch_bytes=1) as svc:
+        ids = []
+        for i in range(3):
+            r = await svc.http.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": f"capped {i} " * 20, "max_tokens": 4},
+            )
+            ids.append(r.json()["choices"][0]["routed_experts"]["route_id"])
+        r = await svc.http.post("/v1/routes:batch", json={"ids": ids})
+        raw = RawBatch.unpack(r.content)
+        # Past the cap after the first id: the others wait for a next request.
+        assert list(raw.manifests) == ids[:1] and raw.deferred == ids[1:]
+        async with AsyncRoutesClient(
+            "http://testserver", transport=httpx.ASGITransport(app=svc.app)
+        ) as rc:
+            got = await rc.get_many(ids)
+        assert [g.token_ids.tolist()[:7] for g in got] == [list(b"capped ")] * 3
 
 
 async def test_delete_keeps_shared_chunks(stored: App) -> None:
@@ -112,3 +139,39 @@ def test_sync_routes_client_over_http(live_server) -> None:
         assert rc.delete(rid) is True and rc.delete(rid) is False
         with pytest.raises(RouteNotFoundError):
             rc.get(rid)
+
+
+async def test_corrupt_routes_are_reported_per_id(stored: App) -> None:
+    import redis
+
+    from routereplay.client import RouteCorruptError
+    from routereplay.client._layout import parse_manifest
+
+    other = await stored.http.post("/v1/completions", json={
+        "model": MODEL, "prompt": "someone else entirely " * 4, "max_tokens": 3},
+        headers={"X-Request-Id": "other"})  # fmt: skip
+    assert other.status_code == 200
+    raw = redis.Redis.from_url(stored.redis_url)
+    try:
+        keys = stored.store.keys
+        m1 = parse_manifest("retrieval-1-1", raw.get(keys.manifest("retrieval-1-1")))
+        mo = parse_manifest("other-0", raw.get(keys.manifest("other-0")))
+        # retrieval-1-1's last chunk (its own, not shared) now holds another route's bytes.
+        raw.set(keys.chunk(m1.digests[-1]), raw.get(keys.chunk(mo.digests[0])))
+    finally:
+        raw.close()
+    r = await stored.http.get("/v1/routes/retrieval-1-1")
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["code"] == "route_corrupt" and err["param"] == "route_id"
+    assert "retrieval-1-1" in err["message"] and "address" in err["message"]
+    # The batch still answers 200; the reader assembles and reports that one id.
+    async with AsyncRoutesClient(
+        "http://testserver", transport=httpx.ASGITransport(app=stored.app)
+    ) as rc:
+        ids = ["retrieval-1-0", "retrieval-1-1", "other-0"]
+        got = await rc.get_many(ids, return_exceptions=True)
+        assert isinstance(got[1], RouteCorruptError) and "retrieval-1-1" in str(got[1])
+        assert got[0].token_ids[0] == ord("r") and got[2].token_ids[0] == ord("s")
+        with pytest.raises(RouteCorruptError, match="retrieval-1-1"):
+            await rc.get_many(ids)
