@@ -84,6 +84,14 @@ class KeySchema:
     def index(self, chain: bytes) -> str:
         return f"{self.prefix}:p:{{{chain.hex()}}}"
 
+    def claim(self, name: str) -> str:
+        """A lease on ``name`` (a request id in flight), held by one writer at a time."""
+        return f"{self.prefix}:{{{name}}}:claim"
+
+    def probe(self) -> str:
+        """A scratch key writers set to learn whether Redis takes writes now."""
+        return f"{self.prefix}:probe"
+
 
 @dataclass
 class PutResult:

@@ -17,7 +17,10 @@ from typing import Any, Self
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import RedisCluster
+from redis.retry import Retry as SyncRetry
 
 from ._batch import RawBatch, resolve_results
 from ._errors import (
@@ -71,6 +74,11 @@ def _redis_errors(where: str) -> Iterator[None]:
             f"redis {where} refused a command ({type(exc).__name__}): {first[:200]}"
         ) from exc
 
+
+# Compare-and-delete: release a lease only if this holder's token still holds it.
+_RELEASE = (
+    "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+)
 
 # A batch of commands: (pipeline method name, args, kwargs). An operation yields batches and is
 # sent back each batch's replies; its return value is the operation's result.
@@ -197,6 +205,28 @@ class _Common:
 
     # (standalone client class, cluster client class): redis-py's sync or asyncio ones.
     _clients: tuple[type, type]
+    _retry: type  # redis-py's Retry of the same flavour
+
+    @classmethod
+    def _connection_defaults(cls) -> dict[str, Any]:
+        """What a long-lived service needs from its Redis connections, unless the caller says
+        otherwise: after a Redis restart every pooled connection is dead, and without retries
+        each one failed the request that next used it (redis-py's ``from_url`` gives its
+        connections no retries). A retried batch is safe: every command a store sends is
+        idempotent or checked (``SET NX`` of content-addressed chunks, ``EXPIRE GT``, ``GET``).
+        """
+        return {
+            "retry": cls._retry(
+                ExponentialWithJitterBackoff(base=0.05, cap=1.0),
+                retries=4,
+                supported_errors=(redis.ConnectionError, redis.TimeoutError, TimeoutError),
+            ),
+            # PING a connection that sat idle this long before using it again.
+            "health_check_interval": 10,
+            "socket_connect_timeout": 2.0,
+            "socket_timeout": 10.0,
+            "socket_keepalive": True,
+        }
 
     @classmethod
     def from_url(
@@ -214,7 +244,9 @@ class _Common:
         ``redis_kwargs`` go to redis-py's ``from_url`` (timeouts, pool size, TLS options).
         """
         url, is_cluster = _split_url(url, cluster)
-        client = cls._clients[is_cluster].from_url(url, **redis_kwargs)
+        client = cls._clients[is_cluster].from_url(
+            url, **{**cls._connection_defaults(), **redis_kwargs}
+        )
         return cls(client, prefix=prefix, ttl_s=ttl_s, block_size=block_size, where=url)
 
     def _pipe(self, batch: list[Command]) -> Any:
@@ -256,6 +288,7 @@ class RouteStore(_Common):
     """
 
     _clients = (redis.Redis, RedisCluster)
+    _retry = SyncRetry
 
     def _run(self, op: Op) -> Any:
         with _redis_errors(self._where):
@@ -269,6 +302,34 @@ class RouteStore(_Common):
     def ping(self) -> bool:
         with _redis_errors(self._where):
             return bool(self.redis.ping())
+
+    def claim(self, name: str, token: str, ttl_s: float) -> bool:
+        """Take the lease on ``name`` for ``ttl_s`` unless another holder has it (``SET NX PX``):
+        the same name claimed through any replica sharing this Redis is refused."""
+        with _redis_errors(self._where):
+            return bool(self.redis.set(self.keys.claim(name), token, nx=True, px=int(ttl_s * 1000)))
+
+    def release(self, name: str, token: str) -> bool:
+        """Give the lease back if ``token`` still holds it (a lapsed lease another writer took
+        is left alone)."""
+        with _redis_errors(self._where):
+            return bool(self.redis.eval(_RELEASE, 1, self.keys.claim(name), token))
+
+    def delete_many(self, route_ids: Sequence[str]) -> int:
+        """Delete the manifests of ``route_ids``; returns how many existed."""
+        with _redis_errors(self._where):
+            return self._run_deletes([self._manifest_key(r) for r in route_ids])
+
+    def _run_deletes(self, keys: list[str]) -> int:
+        if not keys:
+            return 0
+        return sum(self._pipe([_cmd("delete", k) for k in keys]).execute())
+
+    def check_writable(self) -> None:
+        """Raise unless Redis takes a write now (a 10 s scratch key): PING answers while
+        ``maxmemory`` refuses every write, or a replica is read-only."""
+        with _redis_errors(self._where):
+            self.redis.set(self.keys.probe(), b"1", px=10_000)
 
     def close(self) -> None:
         self.redis.close()
@@ -352,6 +413,7 @@ class AsyncRouteStore(_Common):
     """
 
     _clients = (aioredis.Redis, AsyncRedisCluster)
+    _retry = AsyncRetry
 
     async def _run(self, op: Op, big: bool = False) -> Any:
         # The operation's CPU work (encoding, decoding) runs between yields, i.e. inside send():
@@ -374,6 +436,30 @@ class AsyncRouteStore(_Common):
     async def ping(self) -> bool:
         with _redis_errors(self._where):
             return bool(await self.redis.ping())
+
+    async def claim(self, name: str, token: str, ttl_s: float) -> bool:
+        """See :meth:`RouteStore.claim`."""
+        with _redis_errors(self._where):
+            key = self.keys.claim(name)
+            return bool(await self.redis.set(key, token, nx=True, px=int(ttl_s * 1000)))
+
+    async def release(self, name: str, token: str) -> bool:
+        """See :meth:`RouteStore.release`."""
+        with _redis_errors(self._where):
+            return bool(await self.redis.eval(_RELEASE, 1, self.keys.claim(name), token))
+
+    async def delete_many(self, route_ids: Sequence[str]) -> int:
+        """See :meth:`RouteStore.delete_many`."""
+        keys = [self._manifest_key(r) for r in route_ids]
+        if not keys:
+            return 0
+        with _redis_errors(self._where):
+            return sum(await self._pipe([_cmd("delete", k) for k in keys]).execute())
+
+    async def check_writable(self) -> None:
+        """See :meth:`RouteStore.check_writable`."""
+        with _redis_errors(self._where):
+            await self.redis.set(self.keys.probe(), b"1", px=10_000)
 
     async def close(self) -> None:
         await self.redis.aclose()

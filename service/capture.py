@@ -45,6 +45,7 @@ class RouteCapture:
         ttl_s: int | None = None,
         timeout_s: float = 30.0,
         offload_bytes: int = 1 << 18,
+        max_pending: int = 256,
     ) -> None:
         self.store = store
         self.info = info
@@ -52,6 +53,9 @@ class RouteCapture:
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
         self.offload_bytes = offload_bytes
+        self.max_pending = max_pending
+        self.pending = 0
+        metrics.pending_writes.set_function(lambda: self.pending)
 
     def build(
         self, fin: ChoiceFinished, prompt_token_ids: list[int], request_id: str
@@ -106,6 +110,27 @@ class RouteCapture:
             handle.error = fin.routes_error or "no routes from the engine"
             self.metrics.store_errors.labels(reason="no_routes").inc()
             return handle
+        if self.pending >= self.max_pending:
+            # Redis slow or paused: every waiting write holds its record in memory. Past the
+            # bound, fail fast rather than grow without limit.
+            handle.error = f"route store backlog: {self.pending} writes already pending"
+            self.metrics.store_errors.labels(reason="backlog").inc()
+            log.warning("storing route %s refused: %s", route_id, handle.error)
+            return handle
+        self.pending += 1
+        try:
+            return await self._store(route_id, fin, prompt_token_ids, request_id, handle)
+        finally:
+            self.pending -= 1
+
+    async def _store(
+        self,
+        route_id: str,
+        fin: ChoiceFinished,
+        prompt_token_ids: list[int],
+        request_id: str,
+        handle: RouteHandle,
+    ) -> RouteHandle:
         try:
             if fin.routed_experts.nbytes > self.offload_bytes:
                 record = await asyncio.to_thread(self.build, fin, prompt_token_ids, request_id)

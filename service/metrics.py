@@ -52,6 +52,9 @@ class ServiceMetrics:
         self.inflight = Gauge(
             "routereplay_requests_inflight", "completion requests being served", registry=r
         )
+        self.pending_writes = Gauge(
+            "routereplay_route_writes_pending", "route records waiting to be stored", registry=r
+        )
         self.queue_depth = Gauge(
             "routereplay_engine_queue_depth", "requests inside the engine (running + waiting)",
             registry=r,

@@ -3,35 +3,55 @@
 Route ids are ``f"{request_id}-{choice}"``, so the request id decides where a generation's routes
 land. Two concurrent requests with one client-chosen id (a client that timed out and retried while
 the first still runs) would overwrite each other's routes, and a response's handle could name the
-other generation's record: the second gets 409. A retry after the first finished reuses the id and
-overwrites its routes (idempotent retries).
+other generation's record: the second gets 409. The claim is a lease in Redis (``SET NX PX``), so
+it holds across every replica that shares the store; a retry after the first finished reuses the
+id and overwrites its routes (idempotent retries), and routes of the earlier generation that the
+new one does not overwrite (it asked for fewer choices) are deleted.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 import time
 import uuid
+from dataclasses import dataclass
 
-from .errors import ConflictError, InvalidRequestError
+from routereplay.client import AsyncRouteStore, RouteError
 
-__all__ = ["REQUEST_ID_PATTERN", "RequestIds"]
+from .errors import ConflictError, InvalidRequestError, redact
+from .protocol import MAX_N
+
+__all__ = ["REQUEST_ID_PATTERN", "Claim", "RequestIds"]
+
+log = logging.getLogger("routereplay.service")
 
 # Route ids are at most 128 characters: leave room for the "-<choice>" suffix.
 REQUEST_ID_PATTERN = r"[A-Za-z0-9._:-]{1,120}"
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 
 
-class RequestIds:
-    """Validates client ids, generates the others, and tracks the client-chosen ids in flight.
+@dataclass
+class Claim:
+    request_id: str
+    token: str
+    in_redis: bool
 
-    A claim lapses after ``max_age_s`` so a stream the server never started cannot hold an id
-    forever.
+
+class RequestIds:
+    """Validates client ids, generates the others, and claims the client-chosen ones.
+
+    A claim lapses after ``max_age_s`` (the longest a request may run), so a stream the server
+    never finished cannot hold an id forever. If Redis cannot be reached the claim is held in
+    this process only (routes cannot be stored then anyway) and a warning is logged.
     """
 
-    def __init__(self, max_age_s: float) -> None:
+    def __init__(self, store: AsyncRouteStore, max_age_s: float) -> None:
+        self.store = store
         self.max_age_s = max_age_s
-        self._since: dict[str, float] = {}
+        self._local: dict[str, float] = {}
+        self._releases: set[asyncio.Task] = set()
 
     @staticmethod
     def resolve(header: str | None, prefix: str) -> str:
@@ -46,19 +66,56 @@ class RequestIds:
             )
         return header
 
-    def claim(self, rid: str) -> None:
-        """Mark ``rid`` in flight; 409 if it already is."""
-        now = time.monotonic()
-        since = self._since.get(rid)
-        if since is not None and now - since < self.max_age_s:
-            raise ConflictError(
-                f"X-Request-Id {rid!r} is already in flight; its routes would overwrite each "
-                "other: wait for it or use a new id",
-                param="X-Request-Id",
-                code="request_id_in_flight",
-            )
-        self._since[rid] = now
+    @staticmethod
+    def _conflict(rid: str) -> ConflictError:
+        return ConflictError(
+            f"X-Request-Id {rid!r} is already in flight; its routes would overwrite each "
+            "other: wait for it or use a new id",
+            param="X-Request-Id",
+            code="request_id_in_flight",
+        )
 
-    def release(self, rid: str | None) -> None:
-        if rid is not None:
-            self._since.pop(rid, None)
+    async def claim(self, rid: str) -> Claim:
+        """Claim ``rid`` (409 if another request holds it, through any replica)."""
+        now = time.monotonic()
+        since = self._local.get(rid)
+        if since is not None and now - since < self.max_age_s:
+            raise self._conflict(rid)
+        token = uuid.uuid4().hex
+        try:
+            if not await self.store.claim(rid, token, self.max_age_s):
+                raise self._conflict(rid)
+            in_redis = True
+        except RouteError as e:
+            log.warning("request id %s claimed in this process only: %s", rid, redact(str(e)))
+            in_redis = False
+        self._local[rid] = now
+        return Claim(rid, token, in_redis)
+
+    async def retire_stale(self, claim: Claim, n: int) -> None:
+        """Delete the routes ``rid-n .. rid-63`` an earlier generation under this id left: the
+        new one (accepted by the engine, ``n`` choices) overwrites only ``rid-0 .. rid-(n-1)``."""
+        if n >= MAX_N:
+            return
+        try:
+            await self.store.delete_many([f"{claim.request_id}-{i}" for i in range(n, MAX_N)])
+        except RouteError as e:
+            log.warning("stale routes of %s not deleted: %s", claim.request_id, redact(str(e)))
+
+    async def release(self, claim: Claim | None) -> None:
+        """Release ``claim`` before the response completes, so an immediate retry is accepted.
+        The Redis release is shielded: a request being cancelled still gives its lease back."""
+        if claim is None:
+            return
+        self._local.pop(claim.request_id, None)
+        if claim.in_redis:
+            task = asyncio.get_running_loop().create_task(self._release(claim))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+            await asyncio.shield(task)
+
+    async def _release(self, claim: Claim) -> None:
+        try:
+            await self.store.release(claim.request_id, claim.token)
+        except RouteError as e:  # the lease lapses by itself
+            log.warning("claim on %s not released: %s", claim.request_id, redact(str(e)))

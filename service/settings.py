@@ -90,6 +90,12 @@ class Settings(BaseSettings):
     route_ttl_s: int = Field(86400, ge=1, description="seconds a stored route lives")
     block_size: int = Field(128, ge=1, description="tokens per content-addressed chunk")
     store_timeout_s: float = Field(30.0, gt=0, description="deadline of one route's fill + put")
+    max_pending_writes: int = Field(
+        256, ge=1, description="routes waiting for Redis at once; past it a route fails fast"
+    )
+    ready_timeout_s: float = Field(
+        1.0, gt=0, description="/ready answers 503 when a check takes longer than this"
+    )
     offload_bytes: int = Field(
         1 << 18, ge=0, description="records larger than this are built in a worker thread"
     )

@@ -46,9 +46,10 @@ class ServiceState:
         capture = RouteCapture(
             store, backend.info, metrics, ttl_s=settings.route_ttl_s,
             timeout_s=settings.store_timeout_s, offload_bytes=settings.offload_bytes,
+            max_pending=settings.max_pending_writes,
         )  # fmt: skip
         # A leaked claim (a stream never started) lapses after the longest a request may run.
-        request_ids = RequestIds(settings.upstream_timeout_s + settings.store_timeout_s)
+        request_ids = RequestIds(store, settings.upstream_timeout_s + settings.store_timeout_s)
         return cls(
             settings=settings,
             metrics=metrics,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -22,17 +25,27 @@ async def health(raw_request: Request) -> JSONResponse:
 
 @router.get("/ready")
 async def ready(raw_request: Request) -> JSONResponse:
-    """Readiness: the engine can serve and Redis answers; else 503 naming what is not ready."""
+    """Readiness: the engine can serve and Redis takes writes (a paused, full or unreachable
+    Redis is not ready), each checked within ``--ready-timeout-s``; 503 naming what is not."""
     st = service_state(raw_request)
-    problems: dict[str, str] = {}
-    try:
-        await st.backend.check_ready()
-    except ServiceError as e:
-        problems["engine"] = e.message
-    try:
-        await st.store.ping()
-    except Exception as e:
-        problems["redis"] = redact(f"{type(e).__name__}: {e}")
+    timeout = st.settings.ready_timeout_s
+
+    async def check(what: str, probe: Awaitable[object]) -> tuple[str, str | None]:
+        try:
+            async with asyncio.timeout(timeout):
+                await probe
+        except ServiceError as e:
+            return what, e.message
+        except TimeoutError:
+            return what, f"no answer within {timeout:g} s"
+        except Exception as e:
+            return what, redact(f"{type(e).__name__}: {e}")
+        return what, None
+
+    results = await asyncio.gather(
+        check("engine", st.backend.check_ready()), check("redis", st.store.check_writable())
+    )
+    problems = {what: problem for what, problem in results if problem}
     if problems:
         return JSONResponse({"status": "not_ready", **problems}, status_code=503)
     return JSONResponse({"status": "ready"})

@@ -50,7 +50,7 @@ from ..protocol import (
     RouteHandle,
     Usage,
 )
-from ..request_ids import RequestIds
+from ..request_ids import Claim, RequestIds
 
 __all__ = ["ServingChat", "ServingCompletion"]
 
@@ -172,13 +172,12 @@ class _ServingGeneration(abc.ABC, Generic[R]):
         """Serve one request: a JSON response, or an SSE stream when ``request.stream``."""
         t0 = time.perf_counter()
         self.metrics.inflight.inc()
-        claimed: str | None = None  # released here, or by the stream once it owns it
+        claimed: Claim | None = None  # released here, or by the stream once it owns it
         try:
             rid = self.request_ids.resolve(x_request_id, self.id_prefix)
-            if x_request_id is not None:  # generated ids are unique already
-                self.request_ids.claim(rid)
-                claimed = rid
             self._check(request)
+            if x_request_id is not None:  # generated ids are unique already
+                claimed = await self.request_ids.claim(rid)
             greq = GenerationRequest(
                 request=request,
                 request_id=rid,
@@ -187,14 +186,14 @@ class _ServingGeneration(abc.ABC, Generic[R]):
             )
             headers = {"X-Request-Id": rid}
             if request.stream:
-                prompt_ids, events = await self._open(greq)
+                prompt_ids, events = await self._open(greq, claimed)
                 outcome = {"status": 200}
                 body = self._measured(
                     self._stream(greq, prompt_ids, events, outcome), t0, claimed, outcome
                 )
                 claimed = None
                 return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-            result = await _unless_disconnected(raw_request, self._complete(greq))
+            result = await _unless_disconnected(raw_request, self._complete(greq, claimed))
         except ServiceError as e:
             self._done(t0, e.status_code)
             raise
@@ -202,7 +201,7 @@ class _ServingGeneration(abc.ABC, Generic[R]):
             self._done(t0, 500)
             raise
         finally:
-            self.request_ids.release(claimed)
+            await self.request_ids.release(claimed)
         if result is None:
             # The client closed the request; its engine request was aborted.
             self._done(t0, 499)
@@ -248,7 +247,7 @@ class _ServingGeneration(abc.ABC, Generic[R]):
         m.latency.labels(endpoint=self.endpoint).observe(time.perf_counter() - t0)
 
     async def _measured(
-        self, body: AsyncIterator[bytes], t0: float, claimed: str | None, outcome: dict[str, int]
+        self, body: AsyncIterator[bytes], t0: float, claimed: Claim | None, outcome: dict[str, int]
     ) -> AsyncIterator[bytes]:
         # A stream's request ends with its last chunk, not when the handler returns.
         try:
@@ -258,16 +257,17 @@ class _ServingGeneration(abc.ABC, Generic[R]):
             outcome["status"] = 499  # the client went away mid-stream
             raise
         finally:
-            self.request_ids.release(claimed)
+            await self.request_ids.release(claimed)
             self._done(t0, outcome["status"])
 
     async def _open(
-        self, greq: GenerationRequest[R]
+        self, greq: GenerationRequest[R], claim: Claim | None
     ) -> tuple[list[int], AsyncIterator[EngineEvent]]:
         """Start ``greq``; its prompt token ids and the remaining events.
 
         Runs the backend up to its first event, so every request error surfaces here, before a
-        response (or stream) is started, and becomes a proper 4xx.
+        response (or stream) is started, and becomes a proper 4xx. Once the engine accepted a
+        request under a reused id, the earlier generation's extra routes are retired.
         """
         events = aiter(self._generate(greq))
         try:
@@ -284,6 +284,8 @@ class _ServingGeneration(abc.ABC, Generic[R]):
             raise EngineUnavailableError(
                 f"the engine sent {type(first).__name__} before the prompt", code="engine_error"
             )
+        if claim is not None:
+            await self.request_ids.retire_stale(claim, greq.request.n)
         return first.prompt_token_ids, events
 
     async def _capture(
@@ -321,9 +323,9 @@ class _ServingGeneration(abc.ABC, Generic[R]):
         )
 
     # -- non-streaming -----------------------------------------------------------------------------
-    async def _complete(self, greq: GenerationRequest[R]) -> dict[str, Any]:
+    async def _complete(self, greq: GenerationRequest[R], claim: Claim | None) -> dict[str, Any]:
         """Run ``greq`` to the end; the OpenAI response as a JSON-able dict."""
-        prompt_ids, events = await self._open(greq)
+        prompt_ids, events = await self._open(greq, claim)
         choices = [_Choice() for _ in range(greq.request.n)]
         stores: dict[int, asyncio.Task] = {}
         try:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from .conftest import MODEL, App
+import httpx
+
+from .conftest import MODEL, App, running_app
 
 BODY = {"model": MODEL, "prompt": "in flight", "max_tokens": 24}
 
@@ -65,3 +67,48 @@ async def test_refused_request_releases_its_id(svc: App) -> None:
     assert bad.status_code == 400
     ok = await svc.http.post("/v1/completions", json=BODY, headers=headers)
     assert ok.status_code == 200
+
+
+async def test_claims_hold_across_replicas(redis_url: str) -> None:
+    """Two service replicas over one Redis: an id in flight on one is refused on the other."""
+    from routereplay.service import Settings, create_app
+    from routereplay.service.synthetic import SyntheticBackend
+
+    async with running_app(redis_url) as a:
+        # The replica: its own app and engine, the same route store.
+        backend = SyntheticBackend(MODEL)
+        await backend.start()
+        replica = create_app(Settings(redis_url=redis_url), backend=backend, store=a.store)
+        async with replica.router.lifespan_context(replica):
+            transport = httpx.ASGITransport(app=replica)
+            async with httpx.AsyncClient(transport=transport, base_url="http://r") as b:
+                a.backend.step_delay_s = 0.01
+                headers = {"X-Request-Id": "shared-id"}
+                first = asyncio.create_task(a.http.post("/v1/completions", json=BODY,
+                                                        headers=headers))  # fmt: skip
+                while a.backend.num_unfinished() == 0:
+                    await asyncio.sleep(0.005)
+                other = await b.post("/v1/completions", json=BODY, headers=headers)
+                assert other.status_code == 409, other.text
+                assert (await first).status_code == 200
+                await asyncio.sleep(0.05)  # the claim is released in the background
+                again = await b.post("/v1/completions", json=BODY, headers=headers)
+                assert again.status_code == 200
+
+
+async def test_reuse_with_fewer_choices_retires_the_extra_routes(svc: App) -> None:
+    headers = {"X-Request-Id": "shrink"}
+    r = await svc.http.post("/v1/completions", json={**BODY, "n": 3, "temperature": 1.0},
+                            headers=headers)  # fmt: skip
+    assert [c["routed_experts"]["status"] for c in r.json()["choices"]] == ["stored"] * 3
+    r = await svc.http.post("/v1/completions", json={**BODY, "n": 1}, headers=headers)
+    assert r.status_code == 200
+    assert (await svc.http.get("/v1/routes/shrink-0")).status_code == 200
+    for i in (1, 2):
+        # Left over, they would pass for routes of the new generation.
+        assert (await svc.http.get(f"/v1/routes/shrink-{i}")).status_code == 404
+    # A refused request under the id leaves the current generation alone.
+    bad = await svc.http.post("/v1/completions", json={**BODY, "n": 2, "temperature": 0},
+                              headers=headers)  # fmt: skip
+    assert bad.status_code == 400
+    assert (await svc.http.get("/v1/routes/shrink-0")).status_code == 200

@@ -1,0 +1,186 @@
+"""Redis faults survived, with real redis-server processes: killed and restarted (idle and under
+load), paused, full. Every route is stored whole and readable or reported failed, no request
+answers 5xx, and the first request after Redis is back is stored."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from routereplay.local_redis import _start, free_port
+
+from .conftest import MODEL, App, running_app
+
+
+class Redis:
+    """A redis-server on a fixed loopback port that a test can kill and start again.
+
+    It fsyncs every write to its append-only file before answering: what Redis acknowledged
+    survives SIGKILL, so "stored" must mean readable after the restart too (without persistence a
+    restart empties Redis, and that is Redis's durability, not the service's)."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.dir = Path(tempfile.mkdtemp(prefix="rr-fault-"))
+        self.start()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def start(self) -> None:
+        self.proc = _start(self.port, self.dir, "--appendonly", "yes", "--appendfsync", "always")
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url)
+
+
+@pytest.fixture()
+def server() -> Iterator[Redis]:
+    r = Redis()
+    try:
+        yield r
+    finally:
+        with contextlib.suppress(Exception):
+            r.kill()
+
+
+BODY = {"model": MODEL, "max_tokens": 8, "return_token_ids": True}
+
+
+async def one(svc: App, i: int, stream: bool = False) -> tuple[int, dict | None, list[int]]:
+    """One completion: (status, its route handle, its tokens)."""
+    r = await svc.http.post("/v1/completions", json={**BODY, "prompt": f"load {i} " * 5,
+                                                     "stream": stream})  # fmt: skip
+    if r.status_code != 200:
+        return r.status_code, None, []
+    if stream:
+        import json
+
+        chunks = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+        choice = [c["choices"][0] for c in chunks if c.get("choices")]
+        tokens = [t for c in choice for t in c.get("prompt_token_ids", []) + c.get("token_ids", [])]
+        (h,) = [c["routed_experts"] for c in choice if c.get("finish_reason")]
+        return 200, h, tokens
+    c = r.json()["choices"][0]
+    return 200, c["routed_experts"], c["prompt_token_ids"] + c["token_ids"]
+
+
+async def verify(svc: App, results: list[tuple[int, dict | None, list[int]]]) -> dict[str, int]:
+    """Every stored handle's record is readable and exactly the engine's tokens and routes."""
+    counts = {"stored": 0, "failed": 0}
+    for status, h, tokens in results:
+        assert status == 200, status
+        counts[h["status"]] += 1
+        r = await svc.http.get(f"/v1/routes/{h['route_id']}")
+        if h["status"] == "failed":
+            assert r.status_code == 404, "a failed route must not be readable"
+            continue
+        assert r.status_code == 200, r.text
+        from routereplay.client import decode_record
+
+        rec = decode_record(r.content)
+        assert rec.token_ids.tolist() == tokens
+        assert np.array_equal(rec.experts[:-1], svc.expected_experts(tokens))
+        assert rec.num_tokens == h["num_rows"] and int(rec.valid.sum()) == h["num_valid_rows"]
+    return counts
+
+
+async def test_killed_and_restarted_while_idle(server: Redis) -> None:
+    async with running_app(server.url) as svc:
+        await verify(svc, [await one(svc, i) for i in range(3)])
+        server.kill()
+        server.start()
+        # Every pooled connection died with the server: the next requests must not fail on them.
+        results = await asyncio.gather(*[one(svc, 100 + i) for i in range(10)])
+        assert await verify(svc, list(results)) == {"stored": 10, "failed": 0}
+        assert (await svc.http.get("/ready")).status_code == 200
+
+
+async def test_killed_and_restarted_under_load(server: Redis) -> None:
+    async with running_app(server.url, store_timeout_s=10) as svc:
+        svc.backend.step_delay_s = 0.002
+
+        async def chaos() -> None:
+            await asyncio.sleep(0.15)
+            server.kill()
+            await asyncio.sleep(0.3)
+            server.start()
+
+        load = [one(svc, i, stream=i % 2 == 1) for i in range(60)]
+        results, _ = await asyncio.gather(asyncio.gather(*load), chaos())
+        counts = await verify(svc, list(results))
+        assert counts["stored"] + counts["failed"] == 60 and counts["stored"] > 0
+        # Back to normal: the first request afterwards is stored.
+        assert (await one(svc, 999))[1]["status"] == "stored"
+
+
+async def test_down_for_good_routes_failed_fast_enough(server: Redis) -> None:
+    async with running_app(server.url, store_timeout_s=5) as svc:
+        server.kill()
+        t0 = time.monotonic()
+        status, h, _ = await one(svc, 1)
+        assert status == 200 and h["status"] == "failed" and "Connection" in h["error"]
+        assert time.monotonic() - t0 < 5  # retries with backoff, not a hang
+        ready = await svc.http.get("/ready")
+        assert ready.status_code == 503 and "redis" in ready.json()
+
+
+async def test_client_pause_ready_answers_fast_and_writes_resume(server: Redis) -> None:
+    async with running_app(server.url, store_timeout_s=10, ready_timeout_s=0.5) as svc:
+        admin = server.client()
+        try:
+            admin.execute_command("CLIENT", "PAUSE", 1500, "WRITE")
+            t0 = time.monotonic()
+            ready = await svc.http.get("/ready")
+            took = time.monotonic() - t0
+            assert ready.status_code == 503 and "0.5 s" in ready.json()["redis"], ready.text
+            assert took < 1.0, f"/ready took {took:.2f}s during CLIENT PAUSE"
+            # A route finished during the pause waits for it and is stored.
+            results = await asyncio.gather(*[one(svc, i) for i in range(4)])
+            assert await verify(svc, list(results)) == {"stored": 4, "failed": 0}
+        finally:
+            admin.execute_command("CLIENT", "UNPAUSE")
+            admin.close()
+        assert (await svc.http.get("/ready")).status_code == 200
+
+
+async def test_full_redis_is_not_ready_and_routes_fail_whole(server: Redis) -> None:
+    async with running_app(server.url) as svc:
+        admin = server.client()
+        try:
+            admin.config_set("maxmemory-policy", "noeviction")
+            admin.config_set("maxmemory", 1)
+            ready = await svc.http.get("/ready")
+            assert ready.status_code == 503 and "OutOfMemory" in ready.json()["redis"], ready.text
+            results = [await one(svc, i) for i in range(3)]
+            assert await verify(svc, results) == {"stored": 0, "failed": 3}
+        finally:
+            admin.config_set("maxmemory", 0)
+            admin.close()
+        assert (await svc.http.get("/ready")).status_code == 200
+        assert (await one(svc, 9))[1]["status"] == "stored"
+
+
+async def test_pending_writes_are_bounded(server: Redis) -> None:
+    async with running_app(server.url, store_timeout_s=10, max_pending_writes=2) as svc:
+        admin = server.client()
+        try:
+            admin.execute_command("CLIENT", "PAUSE", 1000, "WRITE")
+            results = await asyncio.gather(*[one(svc, i) for i in range(6)])
+        finally:
+            admin.close()
+        handles = [h for _, h, _ in results]
+        backlog = [h for h in handles if "backlog" in (h["error"] or "")]
+        # Two writes waited out the pause and were stored; the rest failed fast.
+        assert len(backlog) == 4 and sum(h["status"] == "stored" for h in handles) == 2
+        assert await svc.metric("routereplay_route_writes_pending") == 0
