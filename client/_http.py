@@ -34,6 +34,15 @@ __all__ = ["AsyncRoutesClient", "RoutesClient"]
 _DEFAULT_TIMEOUT = httpx.Timeout(30.0, connect=5.0)
 
 
+def _with_key(headers: dict[str, str] | None, api_key: str | None) -> dict[str, str]:
+    """``headers`` plus the service's bearer key (``api_key``: the same key an OpenAI client of
+    the service uses; it selects the tenant whose routes are read)."""
+    out = dict(headers or {})
+    if api_key:
+        out["Authorization"] = f"Bearer {api_key}"
+    return out
+
+
 def _raise_for(resp: httpx.Response, route_id: str | None = None) -> None:
     if resp.is_success:
         return
@@ -121,9 +130,13 @@ class RoutesClient:
         timeout: float | httpx.Timeout = _DEFAULT_TIMEOUT,
         transport: httpx.BaseTransport | None = None,
         headers: dict[str, str] | None = None,
+        api_key: str | None = None,
     ) -> None:
         self._http = httpx.Client(
-            base_url=base_url, timeout=timeout, transport=transport, headers=headers
+            base_url=base_url,
+            timeout=timeout,
+            transport=transport,
+            headers=_with_key(headers, api_key),
         )
 
     def _send(self, method: str, url: str, **kw: Any) -> httpx.Response:
@@ -177,9 +190,13 @@ class AsyncRoutesClient:
         timeout: float | httpx.Timeout = _DEFAULT_TIMEOUT,
         transport: httpx.AsyncBaseTransport | None = None,
         headers: dict[str, str] | None = None,
+        api_key: str | None = None,
     ) -> None:
         self._http = httpx.AsyncClient(
-            base_url=base_url, timeout=timeout, transport=transport, headers=headers
+            base_url=base_url,
+            timeout=timeout,
+            transport=transport,
+            headers=_with_key(headers, api_key),
         )
 
     async def _send(self, method: str, url: str, **kw: Any) -> httpx.Response:

@@ -17,6 +17,7 @@ from fastapi import FastAPI
 
 from routereplay.client import AsyncRouteStore
 
+from .auth import KeyRing, principal
 from .engine import EngineBackend
 from .errors import install_error_handlers, redact
 from .http_limits import BodySizeLimit
@@ -37,11 +38,13 @@ def make_backend(settings: Settings) -> EngineBackend:
 
         if not settings.upstream_url:
             raise ValueError("backend=upstream needs upstream_url (ROUTEREPLAY_UPSTREAM_URL)")
+        key = settings.upstream_api_key
         return UpstreamBackend(
             settings.upstream_url,
             served_model_name=settings.served_model_name,
             model_config_path=settings.model,
             timeout_s=settings.upstream_timeout_s,
+            api_key=key.get_secret_value() if key is not None else None,
         )
     if settings.backend == "synthetic":
         from .synthetic import SyntheticBackend
@@ -144,15 +147,35 @@ def create_app(
         summary="OpenAI-compatible vLLM front end that stores every completion's routed experts.",
         version=_version(),
         lifespan=lifespan,
+        # Served below behind the API keys, like every endpoint but /health.
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.service = None
     app.state.settings = settings
     app.state.metrics = metrics
+    app.state.keys = KeyRing.from_settings(settings)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
     for router in ROUTERS:
         app.include_router(router)
+    _add_docs(app)
     return app
+
+
+def _add_docs(app: FastAPI) -> None:
+    from fastapi import Depends
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.responses import HTMLResponse, JSONResponse
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(principal)])
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=[Depends(principal)])
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="routereplay")
 
 
 def _version() -> str:

@@ -38,7 +38,6 @@ class RouteCapture:
 
     def __init__(
         self,
-        store: AsyncRouteStore,
         info: ModelInfo,
         metrics: ServiceMetrics,
         *,
@@ -47,7 +46,6 @@ class RouteCapture:
         offload_bytes: int = 1 << 18,
         max_pending: int = 256,
     ) -> None:
-        self.store = store
         self.info = info
         self.metrics = metrics
         self.ttl_s = ttl_s
@@ -75,12 +73,14 @@ class RouteCapture:
             metadata={"request_id": request_id, "choice": fin.index, "finish": fin.finish_reason},
         )
 
-    async def _fill(self, route_id: str, record: RouteRecord, deadline: float) -> RouteRecord:
+    async def _fill(
+        self, store: AsyncRouteStore, route_id: str, record: RouteRecord, deadline: float
+    ) -> RouteRecord:
         """Best effort: rows the index cannot supply stay marked invalid, and a failing index
         lookup stores the record as it is rather than failing the route."""
         try:
             async with asyncio.timeout_at(deadline):
-                record, filled = await self.store.fill_from_prefix_index(record)
+                record, filled = await store.fill_from_prefix_index(record)
         except Exception as e:  # the put below decides whether the route is stored
             log.warning(
                 "prefix-index fill for route %s failed, storing unfilled: %s", route_id,
@@ -92,9 +92,15 @@ class RouteCapture:
         return record
 
     async def capture(
-        self, route_id: str, fin: ChoiceFinished, prompt_token_ids: list[int], request_id: str
+        self,
+        store: AsyncRouteStore,
+        route_id: str,
+        fin: ChoiceFinished,
+        prompt_token_ids: list[int],
+        request_id: str,
     ) -> RouteHandle:
-        """Store choice ``fin``'s routes under ``route_id``; never raises (failures -> handle)."""
+        """Store choice ``fin``'s routes under ``route_id`` in ``store`` (the caller's
+        namespace); never raises (failures -> handle)."""
         info = self.info
         num_rows = len(prompt_token_ids) + len(fin.output_token_ids)
         handle = RouteHandle(
@@ -119,12 +125,13 @@ class RouteCapture:
             return handle
         self.pending += 1
         try:
-            return await self._store(route_id, fin, prompt_token_ids, request_id, handle)
+            return await self._store(store, route_id, fin, prompt_token_ids, request_id, handle)
         finally:
             self.pending -= 1
 
     async def _store(
         self,
+        store: AsyncRouteStore,
         route_id: str,
         fin: ChoiceFinished,
         prompt_token_ids: list[int],
@@ -141,9 +148,9 @@ class RouteCapture:
             # The last sampled token never has a route; anything else missing (an engine that
             # returned rows from an offset, or skipped a cached prefix) is filled from the index.
             if not record.valid[:-1].all():
-                record = await self._fill(route_id, record, deadline)
+                record = await self._fill(store, route_id, record, deadline)
             async with asyncio.timeout_at(deadline):
-                result = await self.store.put(route_id, record, ttl_s=self.ttl_s)
+                result = await store.put(route_id, record, ttl_s=self.ttl_s)
         except Exception as e:
             if isinstance(e, (RouteError, TimeoutError)):
                 # The store's expected failures (Redis down, full, slow): the reason suffices.

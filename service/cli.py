@@ -88,7 +88,17 @@ def serve_main(argv: list[str]) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(settings, on_fatal=on_fatal)
+    try:
+        app = create_app(settings, on_fatal=on_fatal)
+    except (ValueError, OSError) as e:  # an unreadable key file, a malformed or short key
+        print(f"routereplay serve: error: {e}", file=sys.stderr)
+        return 2
+    if not app.state.keys.enabled and settings.host not in ("127.0.0.1", "::1", "localhost"):
+        logging.getLogger("routereplay.service").warning(
+            "listening on %s without API keys: anyone who reaches it can read and delete "
+            "routes (set --api-keys-file)",
+            settings.host,
+        )
     config = uvicorn.Config(
         app, log_level=settings.log_level, timeout_graceful_shutdown=10,
         # One worker: the engine lives in this process; vLLM scales inside it.

@@ -36,6 +36,7 @@ _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 class Claim:
     request_id: str
     token: str
+    store: AsyncRouteStore  # the namespace the id was claimed in
     in_redis: bool
 
 
@@ -47,10 +48,9 @@ class RequestIds:
     this process only (routes cannot be stored then anyway) and a warning is logged.
     """
 
-    def __init__(self, store: AsyncRouteStore, max_age_s: float) -> None:
-        self.store = store
+    def __init__(self, max_age_s: float) -> None:
         self.max_age_s = max_age_s
-        self._local: dict[str, float] = {}
+        self._local: dict[tuple[str, str], float] = {}
         self._releases: set[asyncio.Task] = set()
 
     @staticmethod
@@ -75,22 +75,24 @@ class RequestIds:
             code="request_id_in_flight",
         )
 
-    async def claim(self, rid: str) -> Claim:
-        """Claim ``rid`` (409 if another request holds it, through any replica)."""
+    async def claim(self, store: AsyncRouteStore, rid: str) -> Claim:
+        """Claim ``rid`` in ``store``'s namespace (409 if another request holds it there,
+        through any replica)."""
         now = time.monotonic()
-        since = self._local.get(rid)
+        local = (store.keys.prefix, rid)
+        since = self._local.get(local)
         if since is not None and now - since < self.max_age_s:
             raise self._conflict(rid)
         token = uuid.uuid4().hex
         try:
-            if not await self.store.claim(rid, token, self.max_age_s):
+            if not await store.claim(rid, token, self.max_age_s):
                 raise self._conflict(rid)
             in_redis = True
         except RouteError as e:
             log.warning("request id %s claimed in this process only: %s", rid, redact(str(e)))
             in_redis = False
-        self._local[rid] = now
-        return Claim(rid, token, in_redis)
+        self._local[local] = now
+        return Claim(rid, token, store, in_redis)
 
     async def retire_stale(self, claim: Claim, n: int) -> None:
         """Delete the routes ``rid-n .. rid-63`` an earlier generation under this id left: the
@@ -98,7 +100,7 @@ class RequestIds:
         if n >= MAX_N:
             return
         try:
-            await self.store.delete_many([f"{claim.request_id}-{i}" for i in range(n, MAX_N)])
+            await claim.store.delete_many([f"{claim.request_id}-{i}" for i in range(n, MAX_N)])
         except RouteError as e:
             log.warning("stale routes of %s not deleted: %s", claim.request_id, redact(str(e)))
 
@@ -107,7 +109,7 @@ class RequestIds:
         The Redis release is shielded: a request being cancelled still gives its lease back."""
         if claim is None:
             return
-        self._local.pop(claim.request_id, None)
+        self._local.pop((claim.store.keys.prefix, claim.request_id), None)
         if claim.in_redis:
             task = asyncio.get_running_loop().create_task(self._release(claim))
             self._releases.add(task)
@@ -116,6 +118,6 @@ class RequestIds:
 
     async def _release(self, claim: Claim) -> None:
         try:
-            await self.store.release(claim.request_id, claim.token)
+            await claim.store.release(claim.request_id, claim.token)
         except RouteError as e:  # the lease lapses by itself
             log.warning("claim on %s not released: %s", claim.request_id, redact(str(e)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["Settings"]
@@ -38,6 +38,21 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
     max_body_bytes: int = Field(
         16 << 20, ge=1024, description="request bodies over this are refused (413) unparsed"
+    )
+
+    # -- access ------------------------------------------------------------------------------------
+    api_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="API keys, 'TENANT:KEY' or 'KEY' (prefer the file or the environment: flags "
+        "show in ps); none: the service is open",
+    )
+    api_keys_file: Path | None = Field(None, description="file of API keys, one per line")
+    admin_keys: list[SecretStr] = Field(
+        default_factory=list, description="keys that also reach every tenant's routes"
+    )
+    admin_keys_file: Path | None = Field(None, description="file of admin keys, one per line")
+    upstream_api_key: SecretStr | None = Field(
+        None, description="bearer key the upstream vLLM server requires"
     )
 
     # -- engine ------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -33,6 +33,24 @@ class ServiceState:
     completion: ServingCompletion
     models: ServingModels
     routes: ServingRoutes
+    _stores: dict[str, AsyncRouteStore] = field(default_factory=dict)
+
+    def store_for(self, namespace: str | None) -> AsyncRouteStore:
+        """The route store of a tenant's namespace (``None``: the service runs without keys).
+
+        Tenants share the Redis connections, not keys: each has its own prefix, so its routes,
+        request-id claims and prefix index are out of every other tenant's reach."""
+        if namespace is None:
+            return self.store
+        st = self._stores.get(namespace)
+        if st is None:
+            base = self.store
+            st = AsyncRouteStore(
+                base.redis, prefix=f"{base.keys.prefix}:t:{namespace}", ttl_s=base.ttl_s,
+                block_size=base.block_size,
+            )  # fmt: skip
+            self._stores[namespace] = st
+        return st
 
     @classmethod
     def build(
@@ -44,12 +62,12 @@ class ServiceState:
     ) -> ServiceState:
         """Compose the serving classes over a started backend and an open store."""
         capture = RouteCapture(
-            store, backend.info, metrics, ttl_s=settings.route_ttl_s,
+            backend.info, metrics, ttl_s=settings.route_ttl_s,
             timeout_s=settings.store_timeout_s, offload_bytes=settings.offload_bytes,
             max_pending=settings.max_pending_writes,
         )  # fmt: skip
         # A leaked claim (a stream never started) lapses after the longest a request may run.
-        request_ids = RequestIds(store, settings.upstream_timeout_s + settings.store_timeout_s)
+        request_ids = RequestIds(settings.upstream_timeout_s + settings.store_timeout_s)
         return cls(
             settings=settings,
             metrics=metrics,
@@ -60,7 +78,7 @@ class ServiceState:
             chat=ServingChat(backend, capture, metrics, request_ids),
             completion=ServingCompletion(backend, capture, metrics, request_ids),
             models=ServingModels(backend),
-            routes=ServingRoutes(store, settings.max_batch_ids, settings.max_batch_bytes),
+            routes=ServingRoutes(settings.max_batch_ids, settings.max_batch_bytes),
         )
 
 

@@ -79,8 +79,11 @@ class UpstreamBackend(EngineBackend):
         served_model_name: str | None = None,
         model_config_path: str | None = None,
         timeout_s: float = 600.0,
+        api_key: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        # Sent as a bearer token to a vLLM started with --api-key; never logged.
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.served_model_name = served_model_name
         self.model_config_path = model_config_path
         self.timeout_s = timeout_s
@@ -91,6 +94,7 @@ class UpstreamBackend(EngineBackend):
         self.client = httpx.AsyncClient(
             base_url=self.url,
             timeout=httpx.Timeout(self.timeout_s, connect=10.0),
+            headers=self._headers,
             # Many concurrent long requests to one host: do not queue them in the pool.
             limits=httpx.Limits(max_connections=4096, max_keepalive_connections=256),
         )

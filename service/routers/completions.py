@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response
 
+from ..auth import Caller
 from ..errors import error_responses
 from ..http_limits import JSONRoute
 from ..protocol import (
@@ -28,7 +29,7 @@ RequestIdHeader = Annotated[
         "`<id>-<choice>`. Generated when absent; 409 while another request with it is in flight.",
     ),
 ]
-_ERRORS = error_responses(400, 404, 409, 503)
+_ERRORS = error_responses(400, 401, 404, 409, 413, 503)
 _SSE = {"text/event-stream": {"schema": {"type": "string"}}}
 
 
@@ -38,10 +39,14 @@ _SSE = {"text/event-stream": {"schema": {"type": "string"}}}
     response_class=Response,
 )
 async def create_chat_completion(
-    request: ChatCompletionRequest, raw_request: Request, x_request_id: RequestIdHeader = None
+    request: ChatCompletionRequest,
+    raw_request: Request,
+    who: Caller,
+    x_request_id: RequestIdHeader = None,
 ) -> Response:
     """A chat completion; each choice's routed experts stored, a handle in its place."""
-    return await service_state(raw_request).chat.create(request, raw_request, x_request_id)
+    st = service_state(raw_request)
+    return await st.chat.create(request, raw_request, x_request_id, st.store_for(who.tenant))
 
 
 @router.post(
@@ -50,7 +55,11 @@ async def create_chat_completion(
     response_class=Response,
 )
 async def create_completion(
-    request: CompletionRequest, raw_request: Request, x_request_id: RequestIdHeader = None
+    request: CompletionRequest,
+    raw_request: Request,
+    who: Caller,
+    x_request_id: RequestIdHeader = None,
 ) -> Response:
     """A text completion; each choice's routed experts stored, a handle in its place."""
-    return await service_state(raw_request).completion.create(request, raw_request, x_request_id)
+    st = service_state(raw_request)
+    return await st.completion.create(request, raw_request, x_request_id, st.store_for(who.tenant))

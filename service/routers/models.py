@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Request
+from fastapi import APIRouter, Body, Depends, Request
 from pydantic import Discriminator, Tag
 
+from ..auth import principal
 from ..errors import error_responses
 from ..http_limits import JSONRoute
 from ..protocol import (
@@ -20,7 +21,9 @@ from ..protocol import (
 )
 from ..state import service_state
 
-router = APIRouter(tags=["Models and tokenization"], route_class=JSONRoute)
+router = APIRouter(
+    tags=["Models and tokenization"], route_class=JSONRoute, dependencies=[Depends(principal)]
+)
 
 
 def _tokenize_kind(v: Any) -> str:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ..auth import AuthenticationError, KeyRing, principal
 from ..errors import ServiceError, redact
 from ..state import service_state
 
@@ -26,7 +27,8 @@ async def health(raw_request: Request) -> JSONResponse:
 @router.get("/ready")
 async def ready(raw_request: Request) -> JSONResponse:
     """Readiness: the engine can serve and Redis takes writes (a paused, full or unreachable
-    Redis is not ready), each checked within ``--ready-timeout-s``; 503 naming what is not."""
+    Redis is not ready), each checked within ``--ready-timeout-s``; 503 naming what is not.
+    Open to probes without a key; with keys configured the reasons go to key holders only."""
     st = service_state(raw_request)
     timeout = st.settings.ready_timeout_s
 
@@ -47,11 +49,16 @@ async def ready(raw_request: Request) -> JSONResponse:
     )
     problems = {what: problem for what, problem in results if problem}
     if problems:
+        keys: KeyRing = raw_request.app.state.keys
+        try:
+            keys.authenticate(raw_request.headers.get("authorization"))
+        except AuthenticationError:
+            problems = {what: "not ready" for what in problems}
         return JSONResponse({"status": "not_ready", **problems}, status_code=503)
     return JSONResponse({"status": "ready"})
 
 
-@router.get("/metrics", response_class=Response)
+@router.get("/metrics", response_class=Response, dependencies=[Depends(principal)])
 async def metrics(raw_request: Request) -> Response:
     """Prometheus text format (this app's own registry)."""
     registry = raw_request.app.state.metrics.registry

@@ -13,6 +13,7 @@ from fastapi.responses import Response
 
 from routereplay.client import BATCH_MEDIA_TYPE, MEDIA_TYPE
 
+from ..auth import Caller
 from ..errors import error_responses
 from ..http_limits import JSONRoute
 from ..protocol import BatchRoutesRequest, RouteJSON
@@ -22,6 +23,10 @@ router = APIRouter(tags=["Routes"], route_class=JSONRoute)
 
 RouteId = Annotated[
     str, Path(description="`<request id>-<choice index>`, `[A-Za-z0-9._:-]{1,128}`")
+]
+Tenant = Annotated[
+    str | None,
+    Query(description="admin keys only: the tenant whose routes to reach (default: your own)"),
 ]
 
 
@@ -35,22 +40,25 @@ RouteId = Annotated[
                 "application/json": {"schema": RouteJSON.model_json_schema()},
             }
         },
-        **error_responses(400, 404, 503),
+        **error_responses(400, 401, 403, 404, 422, 503),
     },
 )
 async def get_route(
     route_id: RouteId,
     raw_request: Request,
+    who: Caller,
     start: Annotated[int, Query(ge=0, description="first row (token position) returned")] = 0,
     format: Annotated[
         Literal["binary", "json"] | None,
         Query(description="`json` for JSON lists; default binary (or by the Accept header)"),
     ] = None,
     accept: Annotated[str | None, Header()] = None,
+    tenant: Tenant = None,
 ) -> Response:
     """One route record, rows `start..T`."""
     as_json = format == "json" or (format is None and "application/json" in (accept or ""))
-    return await service_state(raw_request).routes.get(route_id, start, as_json)
+    st = service_state(raw_request)
+    return await st.routes.get(st.store_for(who.namespace(tenant)), route_id, start, as_json)
 
 
 @router.post(
@@ -61,14 +69,21 @@ async def get_route(
             "content": {BATCH_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
             "description": 'msgpack `{"records": {id: record blob}, "missing": [ids]}`',
         },
-        **error_responses(400, 503),
+        **error_responses(400, 401, 403, 413, 503),
     },
 )
-async def get_routes_batch(request: BatchRoutesRequest, raw_request: Request) -> Response:
-    """Many records in one round trip (each shared prefix chunk read from Redis once)."""
-    return await service_state(raw_request).routes.batch(request)
+async def get_routes_batch(
+    request: BatchRoutesRequest, raw_request: Request, who: Caller, tenant: Tenant = None
+) -> Response:
+    """The stored bytes of many records (each shared chunk once); RoutesClient assembles them."""
+    st = service_state(raw_request)
+    return await st.routes.batch(st.store_for(who.namespace(tenant)), request)
 
 
-@router.delete("/v1/routes/{route_id}", responses=error_responses(400, 404, 503))
-async def delete_route(route_id: RouteId, raw_request: Request) -> dict[str, Any]:
-    return await service_state(raw_request).routes.delete(route_id)
+@router.delete("/v1/routes/{route_id}", responses=error_responses(400, 401, 403, 404, 422, 503))
+async def delete_route(
+    route_id: RouteId, raw_request: Request, who: Caller, tenant: Tenant = None
+) -> dict[str, Any]:
+    """Delete a route of yours (an admin key: of any tenant)."""
+    st = service_state(raw_request)
+    return await st.routes.delete(st.store_for(who.namespace(tenant)), route_id)

@@ -22,6 +22,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from routereplay.client import AsyncRouteStore
+
 from ..capture import RouteCapture, npy_base64
 from ..engine import (
     ChoiceDelta,
@@ -168,8 +170,15 @@ class _ServingGeneration(abc.ABC, Generic[R]):
     def _finish_choice(self, ev: ChoiceFinished) -> dict[str, Any]: ...
 
     # -- the request -------------------------------------------------------------------------------
-    async def create(self, request: R, raw_request: Request, x_request_id: str | None) -> Response:
-        """Serve one request: a JSON response, or an SSE stream when ``request.stream``."""
+    async def create(
+        self,
+        request: R,
+        raw_request: Request,
+        x_request_id: str | None,
+        store: AsyncRouteStore,
+    ) -> Response:
+        """Serve one request: a JSON response, or an SSE stream when ``request.stream``; its
+        routes go to ``store`` (the caller's namespace)."""
         t0 = time.perf_counter()
         self.metrics.inflight.inc()
         claimed: Claim | None = None  # released here, or by the stream once it owns it
@@ -177,7 +186,7 @@ class _ServingGeneration(abc.ABC, Generic[R]):
             rid = self.request_ids.resolve(x_request_id, self.id_prefix)
             self._check(request)
             if x_request_id is not None:  # generated ids are unique already
-                claimed = await self.request_ids.claim(rid)
+                claimed = await self.request_ids.claim(store, rid)
             greq = GenerationRequest(
                 request=request,
                 request_id=rid,
@@ -189,11 +198,11 @@ class _ServingGeneration(abc.ABC, Generic[R]):
                 prompt_ids, events = await self._open(greq, claimed)
                 outcome = {"status": 200}
                 body = self._measured(
-                    self._stream(greq, prompt_ids, events, outcome), t0, claimed, outcome
+                    self._stream(greq, prompt_ids, events, outcome, store), t0, claimed, outcome
                 )
                 claimed = None
                 return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-            result = await _unless_disconnected(raw_request, self._complete(greq, claimed))
+            result = await _unless_disconnected(raw_request, self._complete(greq, claimed, store))
         except ServiceError as e:
             self._done(t0, e.status_code)
             raise
@@ -289,12 +298,17 @@ class _ServingGeneration(abc.ABC, Generic[R]):
         return first.prompt_token_ids, events
 
     async def _capture(
-        self, greq: GenerationRequest[R], prompt_ids: list[int], ch: _Choice, fin: ChoiceFinished
+        self,
+        greq: GenerationRequest[R],
+        prompt_ids: list[int],
+        ch: _Choice,
+        fin: ChoiceFinished,
+        store: AsyncRouteStore,
     ) -> dict[str, Any]:
         """Store one finished choice's routes; the choice's route fields for the response."""
         ch.finish = fin
         route_id = f"{greq.request_id}-{fin.index}"
-        handle = await self.capture.capture(route_id, fin, prompt_ids, greq.request_id)
+        handle = await self.capture.capture(store, route_id, fin, prompt_ids, greq.request_id)
         if greq.request.return_routed_experts == "inline":
             arr = fin.routed_experts
             inline = None
@@ -323,7 +337,9 @@ class _ServingGeneration(abc.ABC, Generic[R]):
         )
 
     # -- non-streaming -----------------------------------------------------------------------------
-    async def _complete(self, greq: GenerationRequest[R], claim: Claim | None) -> dict[str, Any]:
+    async def _complete(
+        self, greq: GenerationRequest[R], claim: Claim | None, store: AsyncRouteStore
+    ) -> dict[str, Any]:
         """Run ``greq`` to the end; the OpenAI response as a JSON-able dict."""
         prompt_ids, events = await self._open(greq, claim)
         choices = [_Choice() for _ in range(greq.request.n)]
@@ -335,7 +351,7 @@ class _ServingGeneration(abc.ABC, Generic[R]):
                 elif isinstance(ev, ChoiceFinished):
                     # Store each choice as it finishes, concurrently with the others' decoding.
                     stores[ev.index] = asyncio.create_task(
-                        self._capture(greq, prompt_ids, choices[ev.index], ev)
+                        self._capture(greq, prompt_ids, choices[ev.index], ev, store)
                     )
             routes = {i: await t for i, t in stores.items()}
         except BaseException:
@@ -365,6 +381,7 @@ class _ServingGeneration(abc.ABC, Generic[R]):
         prompt_ids: list[int],
         events: AsyncIterator[EngineEvent],
         outcome: dict[str, int],
+        store: AsyncRouteStore,
     ) -> AsyncIterator[bytes]:
         """SSE body of an opened request: OpenAI chunks, a route handle on each finishing chunk.
 
@@ -398,7 +415,7 @@ class _ServingGeneration(abc.ABC, Generic[R]):
                     ch.text_len += len(ev.text)
                 elif isinstance(ev, ChoiceFinished):
                     ch = choices[ev.index]
-                    route = await self._capture(greq, prompt_ids, ch, ev)
+                    route = await self._capture(greq, prompt_ids, ch, ev, store)
                     route = {
                         k: (v.model_dump(mode="json") if isinstance(v, RouteHandle) else v)
                         for k, v in route.items()

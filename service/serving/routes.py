@@ -62,15 +62,16 @@ def _as_json(route_id: str, rec: RouteRecord) -> dict[str, Any]:
 class ServingRoutes:
     """``GET``/``DELETE /v1/routes/{route_id}`` and ``POST /v1/routes:batch``."""
 
-    def __init__(self, store: AsyncRouteStore, max_batch_ids: int, max_batch_bytes: int) -> None:
-        self.store = store
+    def __init__(self, max_batch_ids: int, max_batch_bytes: int) -> None:
         self.max_batch_ids = max_batch_ids
         self.max_batch_bytes = max_batch_bytes
 
-    async def get(self, route_id: str, start: int, as_json: bool) -> Response:
+    async def get(
+        self, store: AsyncRouteStore, route_id: str, start: int, as_json: bool
+    ) -> Response:
         route_id = _route_id(route_id)
         try:
-            rec = await self.store.get(route_id, start=start)
+            rec = await store.get(route_id, start=start)
         except (RouteNotFoundError, RouteEvictedError) as e:
             raise _not_found(route_id) from e
         except RouteShapeError as e:
@@ -82,7 +83,7 @@ class ServingRoutes:
             return JSONResponse(await asyncio.to_thread(_as_json, route_id, rec))
         return Response(await asyncio.to_thread(encode_record, rec), media_type=MEDIA_TYPE)
 
-    async def batch(self, body: BatchRoutesRequest) -> Response:
+    async def batch(self, store: AsyncRouteStore, body: BatchRoutesRequest) -> Response:
         """The stored bytes of the ids (manifests + each distinct chunk once), undecoded; the
         reader assembles and verifies them. Past ``max_batch_bytes`` the remaining ids are
         listed as ``deferred`` for a next request (RoutesClient follows up by itself)."""
@@ -91,13 +92,13 @@ class ServingRoutes:
                 f"ids: {len(body.ids)} ids, at most {self.max_batch_ids} per batch", param="ids"
             )
         ids = list(dict.fromkeys(_route_id(i) for i in body.ids))
-        raw = await self.store.get_raw(ids, start=body.start, max_bytes=self.max_batch_bytes)
+        raw = await store.get_raw(ids, start=body.start, max_bytes=self.max_batch_bytes)
         # Packing many MB is CPU work: keep it off the event loop.
         packed = await asyncio.to_thread(raw.pack) if raw.num_bytes > 1 << 20 else raw.pack()
         return Response(packed, media_type=BATCH_MEDIA_TYPE)
 
-    async def delete(self, route_id: str) -> dict[str, Any]:
+    async def delete(self, store: AsyncRouteStore, route_id: str) -> dict[str, Any]:
         route_id = _route_id(route_id)
-        if not await self.store.delete(route_id):
+        if not await store.delete(route_id):
             raise _not_found(route_id)
         return {"id": route_id, "deleted": True}

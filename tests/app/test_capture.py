@@ -32,16 +32,18 @@ def _finished(prompt: list[int], out: list[int], row_start: int = 0) -> ChoiceFi
 async def test_corrupt_prefix_index_is_best_effort(closing, redis_url: str) -> None:
     prefix = f"cap{uuid.uuid4().hex[:6]}"
     async with AsyncRouteStore.from_url(redis_url, prefix=prefix, block_size=4) as store:
-        cap = RouteCapture(store, INFO, ServiceMetrics(), timeout_s=10)
+        cap = RouteCapture(INFO, ServiceMetrics(), timeout_s=10)
         prompt = list(range(100, 112))
-        first = await cap.capture("a-0", _finished(prompt, [1, 2]), prompt, "a")
+        first = await cap.capture(store, "a-0", _finished(prompt, [1, 2]), prompt, "a")
         assert first.status == "stored"
         # Corrupt every chunk the index points at; a later request that skipped the cached
         # prefix (rows from 8 on) must still be stored, with the unfillable rows invalid.
         raw = closing(redis.Redis.from_url(redis_url))
         for key in raw.scan_iter(f"{prefix}:c:*"):
             raw.set(key, b"RRTE garbage", keepttl=True)
-        second = await cap.capture("b-0", _finished(prompt, [3, 4, 5], row_start=8), prompt, "b")
+        second = await cap.capture(
+            store, "b-0", _finished(prompt, [3, 4, 5], row_start=8), prompt, "b"
+        )
         assert second.status == "stored", second
         rec = await store.get("b-0")
         assert not rec.valid[:8].any() and rec.valid[8:-1].all()
@@ -49,10 +51,12 @@ async def test_corrupt_prefix_index_is_best_effort(closing, redis_url: str) -> N
 
 
 async def test_unreachable_store_reports_failed_handle() -> None:
-    store = AsyncRouteStore.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5)
-    cap = RouteCapture(store, INFO, ServiceMetrics(), timeout_s=5)
+    store = AsyncRouteStore.from_url(
+        "redis://127.0.0.1:1/0", socket_connect_timeout=0.5, retry=None
+    )
+    cap = RouteCapture(INFO, ServiceMetrics(), timeout_s=5)
     prompt = [5, 6, 7]
-    handle = await cap.capture("c-0", _finished(prompt, [8]), prompt, "c")
+    handle = await cap.capture(store, "c-0", _finished(prompt, [8]), prompt, "c")
     assert handle.status == "failed"
     assert "RouteConnectionError" in (handle.error or "")
     await store.close()

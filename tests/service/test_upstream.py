@@ -24,6 +24,11 @@ from ._procs import engine_env, free_port, process, serve_argv, stop, vllm_serve
 pytestmark = pytest.mark.vllm
 
 
+# vLLM is started with --api-key; the front sends it (--upstream-api-key).
+UPSTREAM_KEY = "upstream-key-" + "u" * 20
+UPSTREAM_AUTH = {"Authorization": f"Bearer {UPSTREAM_KEY}"}
+
+
 class Upstream:
     """A ``vllm serve`` on a fixed port that a test may kill; the next test that needs it alive
     starts it again on the same port (so no test depends on running before the killing one)."""
@@ -42,9 +47,13 @@ class Upstream:
             return
         self.close()
         self.starts += 1
-        argv = vllm_serve_argv(str(self.model), self.port, "--served-model-name", "dense-first")
+        argv = vllm_serve_argv(
+            str(self.model), self.port, "--served-model-name", "dense-first",
+            "--api-key", UPSTREAM_KEY,
+        )  # fmt: skip
         log = self.log_dir / f"vllm-{self.starts}.log"
-        self._cm = process(argv, f"{self.url}/v1/models", log, engine_env())
+        # /v1/* needs the key; /health does not.
+        self._cm = process(argv, f"{self.url}/health", log, engine_env())
         self.proc = self._cm.__enter__()
 
     def kill(self) -> None:
@@ -83,7 +92,8 @@ def front_server(
         "--backend", "upstream", "--upstream-url", upstream_server.url, "--port", str(port),
         "--redis-url", redis_url, "--route-prefix", "up", "--log-level", "warning",
     )  # fmt: skip
-    with process(argv, f"http://127.0.0.1:{port}/ready", log, engine_env()):
+    env = engine_env(ROUTEREPLAY_UPSTREAM_API_KEY=UPSTREAM_KEY)
+    with process(argv, f"http://127.0.0.1:{port}/ready", log, env):
         yield f"http://127.0.0.1:{port}"
 
 
@@ -118,7 +128,10 @@ def test_chat_n2_routes_equal_upstream_inline(closing, front: str, upstream: Ups
     assert r.id == "up-chat" and len(r.choices) == 2
     # The same request straight to vLLM: its inline base64 .npy is the reference.
     ref = httpx.post(
-        f"{up_url}/v1/chat/completions", json={**body, "return_token_ids": True}, timeout=120
+        f"{up_url}/v1/chat/completions",
+        json={**body, "return_token_ids": True},
+        timeout=120,
+        headers=UPSTREAM_AUTH,
     ).json()
     for c, rc in zip(r.choices, ref["choices"], strict=True):
         h = c.routed_experts
