@@ -17,6 +17,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "build the tiny deterministic Qwen3-MoE model used by the embedded default",
     ),
     "bench": ("routereplay.cli:_bench_main", "benchmarks: store | service | trainer"),
+    "loadtest": (
+        "routereplay.bench.loadtest:main",
+        "load a running service and verify every route it stored",
+    ),
 }
 
 _BENCHES: dict[str, str] = {

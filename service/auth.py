@@ -25,7 +25,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from .errors import ServiceError
+from .errors import InvalidRequestError, ServiceError
 from .settings import Settings
 
 __all__ = [
@@ -72,7 +72,10 @@ class Principal:
                 param="tenant",
             )
         if not _TENANT.fullmatch(tenant):
-            raise ServiceError("tenant: invalid tenant name", param="tenant")
+            raise InvalidRequestError(
+                f"tenant: {tenant[:70]!r} is not a tenant name ([A-Za-z0-9_-]{{1,64}})",
+                param="tenant",
+            )
         return tenant
 
 

@@ -104,17 +104,19 @@ class LiveServer:
 
     url: str
     backend: SyntheticBackend
+    prefix: str
 
 
-@pytest.fixture()
-def live_server(redis_url: str) -> Iterator[LiveServer]:
+@contextlib.contextmanager
+def _live(redis_url: str, step_delay_s: float) -> Iterator[LiveServer]:
     import asyncio
 
     import uvicorn
 
-    backend = SyntheticBackend(MODEL, step_delay_s=0.02)
+    backend = SyntheticBackend(MODEL, step_delay_s=step_delay_s)
     # The app opens (and closes) its own store, on uvicorn's event loop.
-    settings = Settings(redis_url=redis_url, route_prefix=f"t{uuid.uuid4().hex[:10]}")
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    settings = Settings(redis_url=redis_url, route_prefix=prefix)
     app = create_app(settings, backend=backend)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -130,10 +132,22 @@ def live_server(redis_url: str) -> Iterator[LiveServer]:
         time.sleep(0.02)
     assert server.started, "uvicorn did not start"
     try:
-        yield LiveServer(f"http://127.0.0.1:{port}", backend)
+        yield LiveServer(f"http://127.0.0.1:{port}", backend, prefix)
     finally:
         server.should_exit = True
         t.join(timeout=10)
+
+
+@pytest.fixture()
+def live_server(redis_url: str) -> Iterator[LiveServer]:
+    with _live(redis_url, step_delay_s=0.02) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def live_server_module(redis_url: str) -> Iterator[LiveServer]:
+    with _live(redis_url, step_delay_s=0.0) as s:
+        yield s
 
 
 def record_tokens(rec: RouteRecord) -> list[int]:
