@@ -56,7 +56,6 @@ __all__ = [
 MAGIC = b"RRTE"
 FORMAT_VERSION = 1
 MEDIA_TYPE = "application/vnd.routereplay.record"
-# POST /v1/routes:batch answers msgpack {"records": {id: blob}, "missing": [ids]}.
 
 KIND_RECORD = 1
 KIND_CHUNK = 2

@@ -1,7 +1,8 @@
 """The retrieval API: route records by id (binary or JSON), in batches, and deletes.
 
 Binary bodies are ``application/vnd.routereplay.record`` (one record) and
-``application/vnd.routereplay.records+msgpack`` (a batch); ``RoutesClient`` speaks both.
+``application/vnd.routereplay.chunks+msgpack`` (a batch: the stored bytes, undecoded);
+``RoutesClient`` speaks both.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ async def get_route(
     responses={
         200: {
             "content": {BATCH_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
-            "description": 'msgpack `{"records": {id: record blob}, "missing": [ids]}`',
+            "description": 'msgpack `{"manifests": {id: bytes}, "chunks": {digest: bytes}, '
+            '"missing": [ids], "errors": {id: {code, message}}, "deferred": [ids]}`',
         },
         **error_responses(400, 401, 403, 413, 503),
     },
