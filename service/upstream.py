@@ -177,7 +177,9 @@ class UpstreamBackend(EngineBackend):
                 f"upstream {self.url} failed: {e!r}", code="upstream_unreachable"
             ) from e
         try:
-            data = r.json()
+            # A response with inline routes of long sequences is MBs of JSON: parse it in a
+            # worker thread, not on the event loop that serves every other request.
+            data = await asyncio.to_thread(r.json) if len(r.content) > 1 << 20 else r.json()
         except ValueError:
             data = {"error": {"message": r.text[:500], "type": "upstream_error"}}
         if r.status_code >= 400:

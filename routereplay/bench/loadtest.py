@@ -57,6 +57,8 @@ class LoadReport:
     routes_verified: int = 0
     routes_lost: int = 0
     routes_wrong: int = 0
+    oversized_sent: int = 0
+    oversized_refused: int = 0
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -78,6 +80,7 @@ class LoadReport:
             "latency_s": {f"p{q}": round(self.pct(q), 4) for q in (50, 90, 95, 99)}
             | {"max": round(max(self.latencies, default=float("nan")), 4)},
             "errors": dict(self.errors),
+            "oversized": {"sent": self.oversized_sent, "refused_413": self.oversized_refused},
             "routes": {"stored": self.routes_stored, "failed": self.routes_failed,
                        "verified": self.routes_verified, "lost": self.routes_lost,
                        "wrong": self.routes_wrong},
@@ -185,8 +188,29 @@ async def run_load(args: argparse.Namespace) -> LoadReport:
                 report.completion_tokens += tokens
                 sent.extend(got)
 
+        done = asyncio.Event()
+
+        async def hostile() -> None:
+            # A client that keeps sending bodies far over the service's cap, on its own
+            # connection, while the load runs: it must cost the others nothing.
+            blob = b'{"model": "x", "prompt": "' + b"x" * (args.oversized_mib << 20) + b'"}'
+            async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=60) as h:
+                while not done.is_set():
+                    report.oversized_sent += 1
+                    try:
+                        r = await h.post("/v1/completions", content=blob,
+                                         headers={"content-type": "application/json"})  # fmt: skip
+                        report.oversized_refused += r.status_code == 413
+                    except httpx.HTTPError:
+                        pass  # the server may close the connection on an unread body
+                    await asyncio.sleep(args.oversized_interval)
+
+        async def load() -> None:
+            await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+            done.set()
+
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        await asyncio.gather(load(), *([hostile()] if args.oversized_mib else []))
         report.wall_s = time.perf_counter() - t0
 
     stored = [s for s in sent if s.handle["status"] == "stored"]
@@ -230,6 +254,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-share", type=float, default=0.5, help="share of streamed requests")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--oversized-mib",
+        type=int,
+        default=0,
+        help="meanwhile send bodies of this many MiB (they must be refused, 413)",
+    )
+    p.add_argument(
+        "--oversized-interval", type=float, default=0.2, help="seconds between oversized bodies"
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --url")
     args = p.parse_args(argv)
@@ -247,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{d['req_per_s']} req/s, {d['tok_per_s']} completion tok/s")  # fmt: skip
         print("latency s  " + "  ".join(f"{k} {v}" for k, v in lat.items()))
         print(f"errors     {d['errors'] or 'none'}")
+        if args.oversized_mib:
+            o = d["oversized"]
+            print(f"oversized  {o['sent']} bodies of {args.oversized_mib} MiB, "
+                  f"{o['refused_413']} refused with 413")  # fmt: skip
         r = d["routes"]
         print(f"routes     stored {r['stored']}  failed {r['failed']}  verified {r['verified']}  "
               f"lost {r['lost']}  wrong {r['wrong']}")  # fmt: skip

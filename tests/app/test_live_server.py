@@ -54,4 +54,13 @@ def test_keep_alive_connection_survives_errors(live_server: LiveServer) -> None:
             statuses.append(c.post("/v1/completions", json=body).status_code)
         statuses.append(c.get("/nowhere").status_code)
         statuses.append(c.get("/health").status_code)
-    assert statuses == [200, 400, 400, 404, 200, 404, 200]
+        live_server.backend.fault = RuntimeError("a bug")  # a 500, then the same connection
+        statuses.append(c.post("/v1/completions", json={"model": MODEL, "prompt": "c"}).status_code)
+        live_server.backend.fault = None
+        ok = {"model": MODEL, "prompt": "d", "max_tokens": 2}
+        statuses.append(c.post("/v1/completions", json=ok).status_code)
+        huge = b"x" * (17 << 20)
+        ctype = {"content-type": "application/json"}
+        statuses.append(c.post("/v1/completions", content=huge, headers=ctype).status_code)
+        statuses.append(c.get("/health").status_code)
+    assert statuses == [200, 400, 400, 404, 200, 404, 200, 500, 200, 413, 200]
