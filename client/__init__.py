@@ -21,7 +21,7 @@ from ._errors import (
 )
 from ._http import AsyncRoutesClient, RoutesClient
 from ._layout import DEFAULT_BLOCK_SIZE, DEFAULT_TTL_S, KeySchema, PutResult, validate_route_id
-from ._record import RouteRecord, expert_dtype
+from ._record import RouteRecord, WeightSpan, expert_dtype
 from ._store import AsyncRouteStore, RouteStore
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "RouteTruncatedError",
     "RouteVersionError",
     "RoutesClient",
+    "WeightSpan",
     "decode_record",
     "encode_record",
     "expert_dtype",

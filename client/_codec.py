@@ -360,7 +360,7 @@ def encode_record(record: RouteRecord, *, canonical_order: bool = False) -> byte
 
 
 def record_fields(record: RouteRecord) -> dict[str, Any]:
-    return {
+    fields: dict[str, Any] = {
         "moe": list(record.moe_layers),
         "L": record.num_layers,
         "pl": record.prompt_len,
@@ -368,6 +368,9 @@ def record_fields(record: RouteRecord) -> dict[str, Any]:
         "model": record.model,
         "meta": record.metadata,
     }
+    if record.weight_versions:  # absent when unknown: blobs of older writers read the same
+        fields["wv"] = [list(s) for s in record.weight_versions]
+    return fields
 
 
 def record_from_parts(p: dict[str, Any], block: Block, what: str) -> RouteRecord:
@@ -383,6 +386,7 @@ def record_from_parts(p: dict[str, Any], block: Block, what: str) -> RouteRecord
             num_cached_tokens=int(p["nc"]),
             model=str(p["model"]),
             metadata=dict(p.get("meta") or {}),
+            weight_versions=tuple(tuple(s) for s in p.get("wv") or ()),
         )
     except (KeyError, TypeError, ValueError) as exc:  # RouteShapeError is a ValueError
         raise RouteCorruptError(f"{what}: record fields malformed or inconsistent: {exc}") from exc

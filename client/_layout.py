@@ -117,13 +117,26 @@ def _h(*parts: bytes) -> bytes:
 
 
 def chain_seed(
-    model: str, num_experts: int, top_k: int, moe_layers: tuple[int, ...], block_size: int
+    model: str,
+    num_experts: int,
+    top_k: int,
+    moe_layers: tuple[int, ...],
+    block_size: int,
+    weight_version: str | None = None,
 ) -> bytes:
-    """Seed of the token chain: the same tokens through another model shape never collide."""
-    return _h(
-        b"routereplay-chain-v1",
-        msgpack.packb([model, num_experts, top_k, list(moe_layers), block_size]),
-    )
+    """Seed of the token chain: the same tokens through another model shape, or through other
+    weights of the same model, never collide, so a prefix-index fill never crosses versions."""
+    shape = [model, num_experts, top_k, list(moe_layers), block_size]
+    if weight_version is not None:  # unknown versions keep the seed of older writers
+        shape.append(weight_version)
+    return _h(b"routereplay-chain-v1", msgpack.packb(shape))
+
+
+def record_seed(record: RouteRecord, block_size: int) -> bytes:
+    return chain_seed(
+        record.model, record.num_experts, record.top_k, record.moe_layers, block_size,
+        record.prefix_version,
+    )  # fmt: skip
 
 
 def _chunk_digest(chain: bytes, valid: np.ndarray, rows_lm: np.ndarray) -> bytes:
@@ -199,8 +212,10 @@ def plan_put(
         lm = canonicalize(lm)
     T = record.num_tokens
     spans = _blocks(T, block_size)
-    seed = chain_seed(record.model, record.num_experts, record.top_k, record.moe_layers, block_size)
+    seed = record_seed(record, block_size)
     chains = token_chain(seed, record.token_ids, block_size, len(spans))
+    # The index is keyed by the prefix version: only rows routed by those weights may enter it.
+    index_stop = record.version_stop()
     chunk_digests: list[bytes] = []
     block_rows: list[np.ndarray] = []
     index_entries: list[tuple[str, bytes]] = []
@@ -210,7 +225,7 @@ def plan_put(
         digest = _chunk_digest(chain, valid, rows)
         chunk_digests.append(digest)
         block_rows.append(rows)
-        if b - a == block_size and valid.all():
+        if b - a == block_size and b <= index_stop and valid.all():
             index_entries.append((keys.index(chain), digest))
     manifest = {
         "id": route_id,
@@ -262,7 +277,11 @@ class Manifest:
     def seed(self) -> bytes:
         """The token chain before chunk 0 (see :func:`chain_seed`)."""
         f = self.fields
-        return chain_seed(str(f["model"]), self.E, self.K, tuple(f["moe"]), self.block_size)
+        wv = f.get("wv")
+        version = str(wv[0][0]) if wv else None
+        return chain_seed(
+            str(f["model"]), self.E, self.K, tuple(f["moe"]), self.block_size, version
+        )
 
 
 def parse_manifest(route_id: str, blob: bytes) -> Manifest:
@@ -339,6 +358,9 @@ def assemble(m: Manifest, blocks: Mapping[bytes, Block], start: int = 0) -> Rout
     p["nc"] = min(int(p["nc"]), pl)
     if start:
         p["meta"] = {**(p.get("meta") or {}), "row_start": start}
+        p["wv"] = [
+            [v, max(a, start) - start, b - start] for v, a, b in p.get("wv") or () if b > start
+        ]
     p["E"] = m.E
     return record_from_parts(
         p, Block(tok, lm, valid, bool(p.get("canon"))), f"route {m.route_id!r}"
@@ -441,11 +463,12 @@ class FillPlan:
 
 
 def plan_fill(keys: KeySchema, record: RouteRecord, block_size: int) -> FillPlan:
-    full = record.num_tokens // block_size
+    # Only blocks within the prefix version's rows: the index holds no other version's rows.
+    full = min(record.num_tokens, record.version_stop()) // block_size
     need = [i for i in range(full) if not record.valid[i * block_size : (i + 1) * block_size].all()]
     if not need:
         return FillPlan(record, block_size, [], [], [])
-    seed = chain_seed(record.model, record.num_experts, record.top_k, record.moe_layers, block_size)
+    seed = record_seed(record, block_size)
     chains = token_chain(seed, record.token_ids, block_size, need[-1] + 1)
     return FillPlan(
         record, block_size, need, [keys.index(chains[i]) for i in need], [chains[i] for i in need]

@@ -6,13 +6,31 @@ import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ._errors import RouteShapeError
 
-__all__ = ["RouteRecord", "expert_dtype"]
+__all__ = ["RouteRecord", "WeightSpan", "expert_dtype"]
+
+
+class WeightSpan(NamedTuple):
+    """Rows ``[start, stop)`` of a record were routed by the weights labelled ``version``."""
+
+    version: str
+    start: int
+    stop: int
+
+
+def _clip_spans(spans: Sequence[WeightSpan], start: int, stop: int) -> tuple[WeightSpan, ...]:
+    """``spans`` restricted to rows ``[start, stop)`` and renumbered from 0."""
+    out = []
+    for v, a, b in spans:
+        a, b = max(a, start), min(b, stop)
+        if b > a:
+            out.append(WeightSpan(v, a - start, b - start))
+    return tuple(out)
 
 
 def expert_dtype(num_experts: int) -> np.dtype:
@@ -48,6 +66,8 @@ class RouteRecord:
         num_cached_tokens: prompt tokens the engine served from its prefix cache.
         model: model name the routes were computed with.
         metadata: small free-form str/int/float/bool annotations (request id, engine, ...).
+        weight_versions: which weights routed which rows: contiguous :class:`WeightSpan` s in row
+            order (one span, unless the request crossed a weight update). Empty: unknown.
     """
 
     token_ids: np.ndarray
@@ -60,8 +80,11 @@ class RouteRecord:
     num_cached_tokens: int = 0
     model: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    weight_versions: tuple[WeightSpan, ...] = ()
 
     def __post_init__(self) -> None:
+        self.weight_versions = tuple(WeightSpan(str(v), int(a), int(b))
+                                     for v, a, b in self.weight_versions)  # fmt: skip
         self.token_ids = np.asarray(self.token_ids)
         if self.token_ids.dtype != np.int64:
             self.token_ids = self.token_ids.astype(np.int64)
@@ -89,6 +112,22 @@ class RouteRecord:
     @property
     def completion_len(self) -> int:
         return self.num_tokens - self.prompt_len
+
+    @property
+    def weight_version(self) -> str | None:
+        """The one weight version that routed every row; None if mixed or unknown."""
+        versions = {s.version for s in self.weight_versions}
+        return versions.pop() if len(versions) == 1 else None
+
+    @property
+    def prefix_version(self) -> str | None:
+        """The version of the record's first rows (its prompt's): what keys its token chain, so
+        prefix-index fills never cross weight versions. None when unknown."""
+        return self.weight_versions[0].version if self.weight_versions else None
+
+    def version_stop(self) -> int:
+        """Rows ``[0, version_stop())`` share the prefix version (all rows when unknown)."""
+        return self.weight_versions[0].stop if self.weight_versions else self.num_tokens
 
     def layer_major(self) -> np.ndarray:
         """``[M, T, K]`` view (a copy only if the storage is token-major), the trainer's layout."""
@@ -137,6 +176,14 @@ class RouteRecord:
             raise RouteShapeError(
                 f"num_cached_tokens={self.num_cached_tokens} out of range [0, {self.prompt_len}]"
             )
+        prev = 0
+        for i, (v, a, b) in enumerate(self.weight_versions):
+            if not v or a != prev or b <= a or b > T:
+                raise RouteShapeError(
+                    f"weight_versions[{i}]={(v, a, b)}: spans must be non-empty, named, "
+                    f"contiguous from row 0 and within {T} rows"
+                )
+            prev = b
         # Every stored id (invalid rows too) must be a real expert: one vectorised max, no copy.
         if e.size and self.num_experts < np.iinfo(e.dtype).max + 1:
             top = int(e.max())
@@ -158,6 +205,7 @@ class RouteRecord:
         row_start: int = 0,
         model: str = "",
         metadata: Mapping[str, Any] | None = None,
+        weight_versions: Sequence[tuple[str, int, int]] = (),
     ) -> RouteRecord:
         """Build a record from an engine's ``routed_experts`` array.
 
@@ -165,7 +213,7 @@ class RouteRecord:
         covering token rows ``row_start .. row_start + R`` (vLLM returns ``T - 1`` rows: the last
         sampled token is never routed). Dense layers come back as all-zero rows; they are dropped
         by ``moe_layers`` (global indices), never by an offset. Rows the engine did not return are
-        marked invalid.
+        marked invalid. ``weight_versions``: row spans (see :class:`WeightSpan`).
         """
         arr = np.asarray(routed_experts)
         tok = np.asarray(token_ids, dtype=np.int64)
@@ -211,6 +259,7 @@ class RouteRecord:
             num_cached_tokens=num_cached_tokens,
             model=model,
             metadata=dict(metadata or {}),
+            weight_versions=tuple(weight_versions),
         )
 
     # -- slicing and comparison -------------------------------------------------------------------
@@ -229,6 +278,7 @@ class RouteRecord:
             prompt_len=pl,
             num_cached_tokens=min(self.num_cached_tokens, pl),
             metadata={**self.metadata, "row_start": start} if start else self.metadata,
+            weight_versions=_clip_spans(self.weight_versions, start, stop),
         )
 
     def same_routes(self, other: RouteRecord) -> bool:
@@ -252,6 +302,7 @@ class RouteRecord:
             and self.num_cached_tokens == other.num_cached_tokens
             and self.model == other.model
             and self.metadata == other.metadata
+            and self.weight_versions == other.weight_versions
         )
 
     def __repr__(self) -> str:

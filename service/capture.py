@@ -19,11 +19,36 @@ from .engine import ChoiceFinished
 from .errors import redact
 from .metrics import ServiceMetrics
 from .model_info import ModelInfo
-from .protocol import RouteHandle
+from .protocol import RouteHandle, WeightSpanOut
 
 __all__ = ["RouteCapture", "npy_base64"]
 
 log = logging.getLogger("routereplay.service")
+
+
+def row_spans(
+    output_spans: list[tuple[str, int, int]] | None, prompt_len: int, num_rows: int
+) -> list[tuple[str, int, int]]:
+    """The engine's weight-version spans over output tokens, as spans over the record's rows.
+
+    Output token ``i`` is sampled by the forward pass over position ``P + i - 1`` (``P`` the
+    prompt length), which also routes row ``P + i - 1``; the prompt's rows are routed by the
+    prefill that samples token 0. So rows ``[0, P)`` take token 0's version and row ``P + i``
+    token ``i + 1``'s: output span ``[s, e)`` covers rows ``[P + s - 1, P + e - 1)``, the first
+    one from row 0 and the last one to the end (the final row is never routed). Unknown -> [].
+    """
+    spans = [(v, s, e) for v, s, e in output_spans or () if e > s]
+    if not spans:
+        return []
+    out = []
+    for n, (v, s, e) in enumerate(spans):
+        a = 0 if n == 0 else prompt_len + s - 1
+        b = num_rows if n == len(spans) - 1 else prompt_len + e - 1
+        if out and out[-1][0] == v:
+            out[-1] = (v, out[-1][1], b)
+        elif b > a:
+            out.append((v, a, b))
+    return out
 
 
 def npy_base64(arr: np.ndarray) -> str:
@@ -60,6 +85,7 @@ class RouteCapture:
     ) -> RouteRecord:
         """The record of one choice: tokens ``[T]`` = prompt + completion, experts of MoE layers."""
         info = self.info
+        T = len(prompt_token_ids) + len(fin.output_token_ids)
         return RouteRecord.from_engine(
             fin.routed_experts,
             np.asarray(prompt_token_ids + fin.output_token_ids, dtype=np.int64),
@@ -71,6 +97,7 @@ class RouteCapture:
             row_start=fin.routes_row_start,
             model=info.name,
             metadata={"request_id": request_id, "choice": fin.index, "finish": fin.finish_reason},
+            weight_versions=row_spans(fin.weight_versions, len(prompt_token_ids), T),
         )
 
     async def _fill(
@@ -165,4 +192,8 @@ class RouteCapture:
         self.metrics.route_bytes.inc(result.bytes_written)
         handle.status = "stored"
         handle.num_valid_rows = int(record.valid.sum())
+        handle.weight_version = record.weight_version
+        handle.weight_versions = [
+            WeightSpanOut(version=v, start=a, stop=b) for v, a, b in record.weight_versions
+        ] or None
         return handle

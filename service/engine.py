@@ -18,7 +18,7 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import numpy as np
 
@@ -39,7 +39,9 @@ __all__ = [
     "EngineBackend",
     "EngineEvent",
     "GenerationRequest",
+    "PauseMode",
     "PromptRendered",
+    "RLControl",
     "TokenLogprob",
     "check_engine_fields",
 ]
@@ -101,9 +103,66 @@ class ChoiceFinished:
     routed_experts: np.ndarray | None
     routes_row_start: int = 0
     routes_error: str | None = None
+    # vLLM's spans over OUTPUT tokens: tokens [start, end) were sampled by weights ``version``.
+    # None: the engine did not say (the record's versions are then unknown).
+    weight_versions: list[tuple[str, int, int]] | None = None
 
 
 EngineEvent = PromptRendered | ChoiceDelta | ChoiceFinished
+
+PauseMode = Literal["abort", "wait", "keep"]
+
+
+class RLControl(abc.ABC):
+    """vLLM's RL control API (``vllm/entrypoints/rl/online/api_router.py``) as engine calls.
+
+    Every call that changes the served weights also clears the engine's prefix cache, so a cached
+    prefix's routes always come from the weights that now serve (a record's weight versions are
+    true for every row).
+    """
+
+    @abc.abstractmethod
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        """Stop scheduling: ``abort`` running requests, ``wait`` for them, or ``keep`` them
+        frozen until :meth:`resume` (they then finish under the new weights: mixed spans)."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None: ...
+
+    @abc.abstractmethod
+    async def is_paused(self) -> bool: ...
+
+    @abc.abstractmethod
+    async def abort_requests(self, request_ids: list[str] | None) -> int:
+        """Abort the requests with these (client) request ids, or all in flight; how many."""
+
+    @abc.abstractmethod
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+
+    @abc.abstractmethod
+    async def shutdown_weight_transfer_engine(self) -> None: ...
+
+    @abc.abstractmethod
+    async def start_weight_update(self) -> None: ...
+
+    @abc.abstractmethod
+    async def update_weights(self, update_info: dict[str, Any]) -> None: ...
+
+    @abc.abstractmethod
+    async def finish_weight_update(self, weight_version: str | None) -> None: ...
+
+    @abc.abstractmethod
+    async def update_weight_version(self, new_version: str) -> None: ...
+
+    @abc.abstractmethod
+    async def weight_version(self) -> str: ...
+
+    @abc.abstractmethod
+    async def reload_weights(self, weights_path: str, weight_version: str | None) -> None:
+        """Load new weights from a checkpoint directory (the path that works without GPUs)."""
+
+    @abc.abstractmethod
+    async def world_size(self, include_dp: bool) -> int: ...
 
 
 class EngineBackend(abc.ABC):
@@ -154,6 +213,11 @@ class EngineBackend(abc.ABC):
     @abc.abstractmethod
     async def detokenize(self, req: DetokenizeRequest) -> str:
         """vLLM's ``/detokenize``: token ids -> text."""
+
+    @property
+    def rl(self) -> RLControl | None:
+        """The RL control of this engine, or None if it has none."""
+        return None
 
 
 def check_engine_fields(request: ChatCompletionRequest | CompletionRequest) -> None:

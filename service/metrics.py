@@ -55,6 +55,14 @@ class ServiceMetrics:
         self.pending_writes = Gauge(
             "routereplay_route_writes_pending", "route records waiting to be stored", registry=r
         )
+        self.rl_ops = Counter(
+            "routereplay_rl_operations", "RL control calls by operation and outcome",
+            ["op", "status"], registry=r,
+        )  # fmt: skip
+        self.rl_latency = Histogram(
+            "routereplay_rl_operation_seconds", "RL control call duration", ["op"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.queue_depth = Gauge(
             "routereplay_engine_queue_depth", "requests inside the engine (running + waiting)",
             registry=r,

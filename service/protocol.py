@@ -47,6 +47,7 @@ __all__ = [
     "TokenizeCompletionRequest",
     "TokenizeResponse",
     "Usage",
+    "WeightSpanOut",
 ]
 
 # Bounds that make a request absurd rather than merely large; the engine's context limit is
@@ -290,8 +291,20 @@ class CompletionRequest(SamplingFields):
 
 
 # -- responses -------------------------------------------------------------------------------------
+class WeightSpanOut(BaseModel):
+    """Rows ``[start, stop)`` of a route were routed by the weights labelled ``version``."""
+
+    version: str
+    start: int
+    stop: int
+
+
 class RouteHandle(BaseModel):
-    """Where a choice's routes went. ``route_id`` = ``f"{request_id}-{choice_index}"``."""
+    """Where a choice's routes went. ``route_id`` = ``f"{request_id}-{choice_index}"``.
+
+    ``weight_version`` is the one weight version that routed every row; null when the request
+    crossed a weight update (then ``weight_versions`` lists the spans) or the engine did not say.
+    """
 
     route_id: str
     status: Literal["stored", "failed"]
@@ -300,6 +313,8 @@ class RouteHandle(BaseModel):
     moe_layers: list[int]
     top_k: int
     num_experts: int
+    weight_version: str | None = None
+    weight_versions: list[WeightSpanOut] | None = None
     error: str | None = None
 
 
@@ -447,3 +462,4 @@ class RouteJSON(BaseModel):
     prompt_len: int
     num_cached_tokens: int
     metadata: dict[str, Any]
+    weight_versions: list[tuple[str, int, int]]  # [version, first row, end row); [] unknown

@@ -13,7 +13,7 @@ from .engine import EngineBackend
 from .errors import EngineUnavailableError
 from .metrics import ServiceMetrics
 from .request_ids import RequestIds
-from .serving import ServingChat, ServingCompletion, ServingModels, ServingRoutes
+from .serving import ServingChat, ServingCompletion, ServingModels, ServingRL, ServingRoutes
 from .settings import Settings
 
 __all__ = ["ServiceState", "service_state"]
@@ -33,6 +33,7 @@ class ServiceState:
     completion: ServingCompletion
     models: ServingModels
     routes: ServingRoutes
+    rl: ServingRL
     _stores: dict[str, AsyncRouteStore] = field(default_factory=dict)
 
     def store_for(self, namespace: str | None) -> AsyncRouteStore:
@@ -79,6 +80,7 @@ class ServiceState:
             completion=ServingCompletion(backend, capture, metrics, request_ids),
             models=ServingModels(backend),
             routes=ServingRoutes(settings.max_batch_ids, settings.max_batch_bytes),
+            rl=ServingRL(backend, metrics),
         )
 
 

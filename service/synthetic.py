@@ -20,8 +20,11 @@ Faults for tests: :meth:`SyntheticBackend.kill` (the engine dies: running stream
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +34,9 @@ from .engine import (
     EngineBackend,
     EngineEvent,
     GenerationRequest,
+    PauseMode,
     PromptRendered,
+    RLControl,
     TokenLogprob,
     check_engine_fields,
 )
@@ -77,11 +82,13 @@ def synthetic_routes(
     num_experts: int,
     top_k: int,
     row_start: int = 0,
+    salts: Sequence[int] | None = None,
 ) -> np.ndarray:
     """The routes the synthetic engine reports for a sequence: ``[T - 1 - row_start, L, K]`` uint8.
 
     Row ``p`` (token position ``row_start + p``) of MoE layer ``l``: experts
-    ``(b + j) % num_experts`` for ``j < top_k``, ``b`` a hash of tokens ``0..p`` and ``l``.
+    ``(b + j) % num_experts`` for ``j < top_k``, ``b`` a hash of tokens ``0..p``, ``l`` and the
+    weights' salt of that row (``salts[p]``, per token position; 0 for the initial weights).
     Dense layers are all-zero rows, as vLLM returns them.
     """
     T = len(token_ids)
@@ -90,6 +97,9 @@ def synthetic_routes(
     if rows == 0:
         return out
     hashes = np.array(_prefix_hashes(token_ids)[row_start : T - 1], dtype=np.uint64)
+    if salts is not None:
+        mixed = [_mix(int(x)) if x else 0 for x in salts[row_start : T - 1]]
+        hashes ^= np.array(mixed, dtype=np.uint64)
     ks = np.arange(top_k, dtype=np.uint64)
     for layer in moe_layers:
         salt = np.uint64(_mix(layer + 1))
@@ -151,6 +161,25 @@ class SyntheticBackend(EngineBackend):
         self._started = False
         self._running = 0
         self._cached_blocks: set[int] = set()
+        # "Weights": a salt mixed into every route, and the label vLLM calls a weight version.
+        self.salt = 0
+        self.version = "default"
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._abort_all = False
+        self._aborted: set[str] = set()  # client request ids
+        self._rl = _SyntheticRL(self)
+
+    @property
+    def rl(self) -> RLControl:
+        return self._rl
+
+    def set_weights(self, salt: int, version: str | None) -> None:
+        """New weights: routes change from the next step on; cached prefixes are dropped."""
+        self.salt = salt
+        if version is not None:
+            self.version = version
+        self._cached_blocks.clear()
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -281,19 +310,25 @@ class SyntheticBackend(EngineBackend):
             raise InvalidRequestError(
                 f"n must be 1 when using greedy sampling, got n={r.n}", param="n"
             )
-        hashes = _prefix_hashes(prompt)
-        cached = self._cached_tokens(hashes)
         seed = 0 if greedy else (r.seed if r.seed is not None else random.getrandbits(63))
         stop_ids = set(r.stop_token_ids or ())
         yield PromptRendered(prompt_token_ids=list(prompt))
+        # Paused: not scheduled until resumed (vLLM's semantics for new requests).
+        await self._resumed.wait()
+        hashes = _prefix_hashes(prompt)
+        cached = self._cached_tokens(hashes)
 
         self._running += 1
         try:
             outs: list[list[int]] = [[] for _ in range(r.n)]
+            # Per choice: the salt that routed each row, and the version of each output token.
+            salts: list[list[int]] = [[] for _ in range(r.n)]
+            versions: list[list[str]] = [[] for _ in range(r.n)]
             h = [hashes[-1]] * r.n
             finished: list[str | None] = [None] * r.n
-            for _ in range(max_tokens):
+            for step in range(max_tokens):
                 await asyncio.sleep(self.step_delay_s)
+                await self._resumed.wait()  # pause(mode="keep") freezes running requests here
                 if self._dead:
                     raise EngineUnavailableError(
                         "the engine died while serving this request; routes were not stored",
@@ -301,9 +336,19 @@ class SyntheticBackend(EngineBackend):
                     )
                 if self.fault is not None:
                     raise self.fault
+                aborted = self._abort_all or req.request_id in self._aborted
                 for i in range(r.n):
                     if finished[i] is not None:
                         continue
+                    if aborted:
+                        finished[i] = "abort"
+                        yield self._finished(
+                            i, prompt, outs[i], "abort", cached, r, salts[i], versions[i]
+                        )
+                        continue
+                    # This step's forward routes the prompt (step 0) or the previous token.
+                    salts[i].extend([self.salt] * (len(prompt) if step == 0 else 1))
+                    versions[i].append(self.version)
                     x = _mix(h[i] ^ _mix(seed + (0 if greedy else i)))
                     tok = 32 + x % 95  # printable ASCII: every token is one character
                     h[i] = _mix(h[i] ^ (tok + 1))
@@ -319,11 +364,14 @@ class SyntheticBackend(EngineBackend):
                     elif len(outs[i]) == max_tokens:
                         finished[i] = "length"
                     if finished[i] is not None:
-                        yield self._finished(i, prompt, outs[i], finished[i], cached, r)
+                        yield self._finished(
+                            i, prompt, outs[i], finished[i], cached, r, salts[i], versions[i]
+                        )
                 if all(f is not None for f in finished):
                     break
         finally:
             self._running -= 1
+            self._aborted.discard(req.request_id)
 
     def _finished(
         self,
@@ -333,8 +381,11 @@ class SyntheticBackend(EngineBackend):
         reason: str,
         cached: int,
         r: ChatCompletionRequest | CompletionRequest,
+        salts: list[int],
+        versions: list[str],
     ) -> ChoiceFinished:
         info = self.info
+        T = len(prompt) + len(out)
         routes = synthetic_routes(
             prompt + out,
             info.num_layers,
@@ -342,7 +393,15 @@ class SyntheticBackend(EngineBackend):
             info.num_experts,
             info.top_k,
             r.routed_experts_prompt_start,
+            salts + [self.salt] * (T - len(salts)),
         )
+        # vLLM's shape: spans of output tokens sampled by one version.
+        spans: list[tuple[str, int, int]] = []
+        for j, v in enumerate(versions):
+            if spans and spans[-1][0] == v:
+                spans[-1] = (v, spans[-1][1], j + 1)
+            else:
+                spans.append((v, j, j + 1))
         return ChoiceFinished(
             index=i,
             finish_reason=reason,
@@ -351,6 +410,7 @@ class SyntheticBackend(EngineBackend):
             num_cached_tokens=cached,
             routed_experts=routes,
             routes_row_start=r.routed_experts_prompt_start,
+            weight_versions=spans,
         )
 
     @staticmethod
@@ -360,3 +420,84 @@ class SyntheticBackend(EngineBackend):
         lp = -((x >> 8) % 1000) / 1000.0 - 0.01
         top = [(chr(tok), lp)] + [(chr(32 + (tok - 32 + j) % 95), lp - j) for j in range(1, k)]
         return [TokenLogprob(token=chr(tok), logprob=lp, top=top[:k])]
+
+
+class _SyntheticRL(RLControl):
+    """vLLM's RL API on the synthetic engine. Its "weights" are a salt mixed into every route:
+    :meth:`reload_weights` reads it from ``<dir>/synthetic.json`` (``{"salt": int}``)."""
+
+    def __init__(self, engine: SyntheticBackend) -> None:
+        self.e = engine
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        e = self.e
+        if mode == "wait":
+            e._resumed.clear()  # new requests wait; running ones finish
+            while e._running:
+                await asyncio.sleep(0.005)
+        elif mode == "abort":
+            e._abort_all = True
+            while e._running:
+                await asyncio.sleep(0.005)
+            e._abort_all = False
+            e._resumed.clear()
+        else:
+            e._resumed.clear()
+        if clear_cache and mode != "keep":
+            e._cached_blocks.clear()
+
+    async def resume(self) -> None:
+        self.e._resumed.set()
+
+    async def is_paused(self) -> bool:
+        return not self.e._resumed.is_set()
+
+    async def abort_requests(self, request_ids: list[str] | None) -> int:
+        if request_ids:
+            self.e._aborted.update(request_ids)
+            return len(request_ids)
+        n = self.e._running
+        self.e._abort_all = True
+        while self.e._running:
+            await asyncio.sleep(0.005)
+        self.e._abort_all = False
+        return n
+
+    def _no_transfer(self) -> NotImplementedError:
+        return NotImplementedError(
+            "the synthetic engine has no tensors to transfer: load new weights with /reload_weights"
+        )
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        raise self._no_transfer()
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        raise self._no_transfer()
+
+    async def start_weight_update(self) -> None:
+        raise self._no_transfer()
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
+        raise self._no_transfer()
+
+    async def finish_weight_update(self, weight_version: str | None) -> None:
+        self.e.set_weights(self.e.salt, weight_version)
+
+    async def update_weight_version(self, new_version: str) -> None:
+        self.e.version = new_version
+
+    async def weight_version(self) -> str:
+        return self.e.version
+
+    async def reload_weights(self, weights_path: str, weight_version: str | None) -> None:
+        path = Path(weights_path) / "synthetic.json"
+        try:
+            salt = int(json.loads(path.read_text())["salt"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"weights_path: no readable {path} with an integer salt") from exc
+        self.e.set_weights(salt, weight_version)
+
+    async def world_size(self, include_dp: bool) -> int:
+        return 1

@@ -25,7 +25,9 @@ from .engine import (
     EngineBackend,
     EngineEvent,
     GenerationRequest,
+    PauseMode,
     PromptRendered,
+    RLControl,
 )
 from .errors import EngineUnavailableError, ServiceError
 from .model_info import ModelInfo, moe_layout
@@ -89,6 +91,11 @@ class UpstreamBackend(EngineBackend):
         self.timeout_s = timeout_s
         self.client: httpx.AsyncClient | None = None
         self.upstream_model = ""
+        self._rl = _UpstreamRL(self)
+
+    @property
+    def rl(self) -> RLControl:
+        return self._rl
 
     async def start(self) -> None:
         self.client = httpx.AsyncClient(
@@ -186,12 +193,27 @@ class UpstreamBackend(EngineBackend):
             raise UpstreamError(r.status_code, data)
         return data
 
+    async def _weight_version(self) -> str | None:
+        """The upstream's weight version (None if it has no RL API or does not answer)."""
+        assert self.client is not None
+        try:
+            r = await self.client.get("/weight_info", timeout=5.0)
+            return str(r.json()["weight_version"]) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+
     async def _forward(
         self, req: GenerationRequest, path: str, text_of: Callable[[dict[str, Any]], str | None]
     ) -> AsyncIterator[EngineEvent]:
         body = self._body(req.request)
         body.update(stream=False, return_token_ids=True)
+        # vLLM's server does not return weight-version spans: the version before and after the
+        # call brackets them. Equal: every row had it. Different: the weights changed during the
+        # request and the record says unknown rather than guess.
+        before = await self._weight_version()
         data = await self._post(path, body, headers={"X-Request-Id": req.engine_request_id})
+        after = await self._weight_version() if before is not None else None
+        version = before if before is not None and before == after else None
         cached = ((data.get("usage") or {}).get("prompt_tokens_details") or {}).get(
             "cached_tokens"
         ) or 0
@@ -234,6 +256,7 @@ class UpstreamBackend(EngineBackend):
                     "the upstream returned no routed_experts (is it started with "
                     "--enable-return-routed-experts?)"
                 ),
+                weight_versions=None if version is None else [(version, 0, max(len(out_ids), 1))],
             )
 
 
@@ -247,3 +270,78 @@ def _completion_text(choice: dict[str, Any]) -> str | None:
 
 def _decode_npy(b64: str) -> np.ndarray:
     return np.load(io.BytesIO(base64.b64decode(b64)), allow_pickle=False)
+
+
+class _UpstreamRL(RLControl):
+    """The RL API forwarded to the upstream vLLM server (same paths and bodies)."""
+
+    def __init__(self, backend: UpstreamBackend) -> None:
+        self.b = backend
+
+    async def _call(self, method: str, path: str, **kw: Any) -> Any:
+        assert self.b.client is not None
+        try:
+            r = await self.b.client.request(method, path, **kw)
+        except httpx.HTTPError as e:
+            raise EngineUnavailableError(
+                f"upstream {self.b.url} failed: {e!r}", code="upstream_unreachable"
+            ) from e
+        try:
+            data = r.json()
+        except ValueError:
+            data = {"error": {"message": r.text[:500], "type": "upstream_error"}}
+        if r.status_code >= 400:
+            if isinstance(data.get("detail"), str):  # vLLM's RL routes answer FastAPI's shape
+                data = {"error": {"message": data["detail"], "type": "upstream_error"}}
+            elif isinstance(data.get("error"), str):
+                data = {"error": {"message": data["error"], "type": "upstream_error"}}
+            raise UpstreamError(r.status_code, data)
+        return data
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        params = {"mode": mode, "clear_cache": str(clear_cache).lower()}
+        await self._call("POST", "/pause", params=params)
+
+    async def resume(self) -> None:
+        await self._call("POST", "/resume")
+
+    async def is_paused(self) -> bool:
+        return bool((await self._call("GET", "/is_paused"))["is_paused"])
+
+    async def abort_requests(self, request_ids: list[str] | None) -> int:
+        body = {"request_ids": request_ids} if request_ids else {}
+        return int((await self._call("POST", "/abort_requests", json=body)).get("aborted", 0))
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        await self._call("POST", "/init_weight_transfer_engine", json={"init_info": init_info})
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await self._call("POST", "/shutdown_weight_transfer_engine")
+
+    async def start_weight_update(self) -> None:
+        await self._call("POST", "/start_weight_update")
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
+        await self._call("POST", "/update_weights", json={"update_info": update_info})
+
+    async def finish_weight_update(self, weight_version: str | None) -> None:
+        await self._call("POST", "/finish_weight_update", json={"weight_version": weight_version})
+
+    async def update_weight_version(self, new_version: str) -> None:
+        await self._call("POST", "/update_weight_version", json={"new_version": new_version})
+
+    async def weight_version(self) -> str:
+        return str((await self._call("GET", "/weight_info"))["weight_version"])
+
+    async def reload_weights(self, weights_path: str, weight_version: str | None) -> None:
+        # vLLM's server has no such route; its dev-mode /collective_rpc is the nearest, and is
+        # off by default. Say so rather than pretend.
+        raise NotImplementedError(
+            "reload_weights is not part of vLLM's server API: update the upstream's weights "
+            "through its weight transfer API (/start_weight_update, /update_weights, "
+            "/finish_weight_update)"
+        )
+
+    async def world_size(self, include_dp: bool) -> int:
+        params = {"include_dp": str(include_dp).lower()}
+        return int((await self._call("GET", "/get_world_size", params=params))["world_size"])

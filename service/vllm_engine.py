@@ -18,7 +18,9 @@ from .engine import (
     EngineBackend,
     EngineEvent,
     GenerationRequest,
+    PauseMode,
     PromptRendered,
+    RLControl,
     TokenLogprob,
     check_engine_fields,
 )
@@ -142,6 +144,13 @@ class VllmBackend(EngineBackend):
         self._extra = dict(extra_engine_args or {})
         self.engine: Any = None
         self._tokenizer: Any = None
+        # engine request id -> client request id, for RL aborts by client id.
+        self._inflight: dict[str, str] = {}
+        self._rl = _VllmRL(self)
+
+    @property
+    def rl(self) -> RLControl:
+        return self._rl
 
     async def start(self) -> None:
         cpu = on_cpu_host()
@@ -360,9 +369,6 @@ class VllmBackend(EngineBackend):
     async def _generate(
         self, req: GenerationRequest, render: Any, field: str
     ) -> AsyncIterator[EngineEvent]:
-        from vllm.exceptions import VLLMClientError
-        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
-
         self._check_alive()
         check_engine_fields(req.request)
         prompt = await self._render(render(), field)
@@ -375,6 +381,22 @@ class VllmBackend(EngineBackend):
             )
         params = self._sampling_params(req.request, len(prompt_ids))
         n = params.n
+        self._inflight[req.engine_request_id] = req.request_id
+        run = self._run(req, prompt, prompt_ids, params, n)
+        try:
+            async for ev in run:
+                yield ev
+        finally:
+            # Close it now, not at garbage collection: closing aborts the engine request.
+            await run.aclose()
+            self._inflight.pop(req.engine_request_id, None)
+
+    async def _run(
+        self, req: GenerationRequest, prompt: Any, prompt_ids: list[int], params: Any, n: int
+    ) -> AsyncIterator[EngineEvent]:
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
         outputs = self.engine.generate(prompt, params, req.engine_request_id)
         # The engine validates some parameters only on submit (e.g. n > 1 with greedy sampling):
         # wait for its first output so those are client errors too, raised before any event.
@@ -438,6 +460,7 @@ class VllmBackend(EngineBackend):
         o: Any, out_ids: list[int], num_cached: int | None, row_start: int
     ) -> ChoiceFinished:
         re = o.routed_experts
+        spans = getattr(o, "weight_versions", None)
         return ChoiceFinished(
             index=o.index,
             finish_reason=o.finish_reason,
@@ -447,6 +470,7 @@ class VllmBackend(EngineBackend):
             routed_experts=re,
             routes_row_start=row_start,
             routes_error=None if re is not None else "the engine returned no routed experts",
+            weight_versions=None if spans is None else [(s.version, s.start, s.end) for s in spans],
         )
 
     def _logprobs(self, o: Any, k: int | None) -> list[TokenLogprob] | None:
@@ -474,3 +498,78 @@ class VllmBackend(EngineBackend):
         if self._tokenizer is not None:
             return self._tokenizer.decode([token_id])
         return f"token_id:{token_id}"
+
+
+class _VllmRL(RLControl):
+    """The RL API on the in-process ``AsyncLLM``: the same engine calls vLLM's own server makes.
+
+    Weight transfer backends (``init_weight_transfer_engine`` / ``update_weights``): vLLM's
+    ``nccl``, ``ipc`` (CUDA IPC), ``sparse_nccl`` and ``nccl_m2n`` need GPUs; set the backend with
+    ``--engine-args '{"weight_transfer_config": {"backend": "ipc"}}'``. On a CPU host, or whenever
+    the new weights are on disk, :meth:`reload_weights` loads a checkpoint directory in place.
+    """
+
+    def __init__(self, backend: VllmBackend) -> None:
+        self.b = backend
+
+    @property
+    def engine(self) -> Any:
+        if self.b.engine is None or self.b.dead:
+            raise EngineUnavailableError("the engine is not running", code="engine_dead")
+        return self.b.engine
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        await self.engine.pause_generation(mode=mode, clear_cache=clear_cache)
+
+    async def resume(self) -> None:
+        await self.engine.resume_generation()
+
+    async def is_paused(self) -> bool:
+        return bool(await self.engine.is_paused())
+
+    async def abort_requests(self, request_ids: list[str] | None) -> int:
+        wanted = set(request_ids or ())
+        ids = [e for e, rid in self.b._inflight.items() if not wanted or rid in wanted]
+        if ids:
+            await self.engine.abort(ids)
+        return len(ids)
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self.engine.init_weight_transfer_engine(
+            WeightTransferInitRequest(init_info=init_info)
+        )
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await self.engine.shutdown_weight_transfer_engine()
+
+    async def start_weight_update(self) -> None:
+        await self.engine.start_weight_update()
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    async def finish_weight_update(self, weight_version: str | None) -> None:
+        await self.engine.finish_weight_update(weight_version)
+        await self.engine.reset_prefix_cache()
+
+    async def update_weight_version(self, new_version: str) -> None:
+        await self.engine.update_weight_version(new_version)
+
+    async def weight_version(self) -> str:
+        return str(await self.engine.get_weight_version())
+
+    async def reload_weights(self, weights_path: str, weight_version: str | None) -> None:
+        engine = self.engine
+        await engine.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
+        # Cached prefixes (and their routes) were computed by the old weights.
+        await engine.reset_prefix_cache()
+        if weight_version is not None:
+            await engine.update_weight_version(weight_version)
+
+    async def world_size(self, include_dp: bool) -> int:
+        pc = self.engine.vllm_config.parallel_config
+        return int(pc.world_size_across_dp if include_dp else pc.world_size)

@@ -7,10 +7,11 @@
 - ``routes``: ``GET``/``DELETE /v1/routes/{id}``, ``POST /v1/routes:batch``
   -> ``serving.routes`` (ServingRoutes)
 - ``probes``: ``GET /health``, ``GET /ready``, ``GET /metrics`` (a few lines each, inline)
+- ``rl``: vLLM's RL control API (admin keys) -> ``serving.rl`` (ServingRL)
 """
 
-from . import completions, models, probes, routes
+from . import completions, models, probes, rl, routes
 
-ROUTERS = [completions.router, models.router, routes.router, probes.router]
+ROUTERS = [completions.router, models.router, routes.router, probes.router, rl.router]
 
 __all__ = ["ROUTERS"]

@@ -2,6 +2,7 @@
 
 from .completions import ServingChat, ServingCompletion
 from .models import ServingModels
+from .rl import ServingRL
 from .routes import ServingRoutes
 
-__all__ = ["ServingChat", "ServingCompletion", "ServingModels", "ServingRoutes"]
+__all__ = ["ServingChat", "ServingCompletion", "ServingModels", "ServingRL", "ServingRoutes"]

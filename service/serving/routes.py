@@ -56,6 +56,7 @@ def _as_json(route_id: str, rec: RouteRecord) -> dict[str, Any]:
         "prompt_len": rec.prompt_len,
         "num_cached_tokens": rec.num_cached_tokens,
         "metadata": rec.metadata,
+        "weight_versions": [list(span) for span in rec.weight_versions],
     }
 
 
