@@ -277,9 +277,38 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _store_down(request: Request, exc: RouteConnectionError) -> JSONResponse:
         return StoreUnavailableError(f"route store unavailable: {redact(str(exc))}").response()
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return ServiceError(
-            f"internal error: {type(exc).__name__}; the server log has the traceback"
-        ).response()
+    # Anything else (a bug) is answered by InternalErrors below, which does not re-raise:
+    # Starlette's last-resort handler re-raises after its 500, and the server then drops the
+    # keep-alive connection the client would have reused.
+    app.add_middleware(InternalErrors)
+
+
+class InternalErrors:
+    """ASGI middleware: an unhandled exception becomes a logged 500 in the schema, and the
+    connection stays usable (unless the response had already started: then it must close)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Any) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            err = ServiceError(
+                f"internal error: {type(exc).__name__}; the server log has the traceback"
+            )
+            await err.response()(scope, receive, send)

@@ -30,7 +30,7 @@ router = APIRouter(
     tags=["RL control (vLLM's API)"],
     route_class=JSONRoute,
     dependencies=[Depends(require_admin)],
-    responses=error_responses(400, 401, 403, 501, 503),
+    responses=error_responses(400, 401, 403, 503),
 )
 
 

@@ -3,7 +3,8 @@
 The paths, bodies and answers are vLLM's (``vllm/entrypoints/rl/online/api_router.py``), so an RL
 framework drives this service as it drives ``vllm serve``; the calls go to the engine backend's
 :class:`~..engine.RLControl`. Engine failures become errors in the one schema: a request the
-engine cannot use is a 400, an operation this engine does not have a 501.
+engine cannot use, or an operation this engine does not have (``not_supported``), is a 400:
+the request cannot succeed here, and retrying will not change that.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ T = TypeVar("T")
 
 
 class NotSupportedError(ServiceError):
-    status_code = 501
-    type = "not_supported_error"
+    status_code = 400
+    type = "invalid_request_error"
     default_code = "not_supported"
 
 

@@ -49,9 +49,10 @@ async def test_vllm_shaped_answers(svc: App) -> None:
         "status": "aborted",
         "aborted": 0,
     }
-    # What this engine cannot do is a 501 in the schema, not a 500.
+    # What this engine cannot do is a 400 naming it, not a 500.
     r = await http.post("/init_weight_transfer_engine", json={"init_info": {"x": 1}})
-    assert r.status_code == 501 and r.json()["error"]["code"] == "not_supported"
+    assert r.status_code == 400 and r.json()["error"]["code"] == "not_supported"
+    assert "reload_weights" in r.json()["error"]["message"]
     r = await http.post("/pause?mode=sideways")
     assert r.status_code == 400 and r.json()["error"]["param"] == "mode"
     r = await http.post("/reload_weights", json={"weights_path": "/nonexistent"})
