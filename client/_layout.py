@@ -505,8 +505,12 @@ def apply_fill(plan: FillPlan, chunks: dict[int, tuple[bytes, bytes]]) -> tuple[
             filled += int(take.sum())
     if not filled:
         return rec, 0
+    # Which rows came from the index (not from this request's engine pass): [[start, stop], ...].
+    newly = valid & ~rec.valid
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], newly.view(np.int8), [0]])))
+    spans = [[int(a), int(b)] for a, b in zip(edges[::2], edges[1::2], strict=True)]
     out = dataclasses.replace(
         rec, experts=experts, valid=valid,
-        metadata={**rec.metadata, "rows_filled_from_index": filled},
+        metadata={**rec.metadata, "rows_filled_from_index": filled, "filled_rows": spans},
     )  # fmt: skip
     return out, filled

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ._coverage import BatchCoverage, RecordCoverage, ReplayPolicy, batch_coverage
 from ._layers import moe_layer_pattern
 from ._position_map import (
     NO_ROUTE,
@@ -25,6 +26,7 @@ from ._position_map import (
 from ._targets import ReplayTargets, filler_experts, gather_targets
 from .errors import (
     ReplayConfigError,
+    ReplayPolicyError,
     RouteAlignmentError,
     RouteLayerMismatchError,
     TargetShapeError,
@@ -32,21 +34,34 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from ._megatron import R2Recorder, RouterReplayer, RouterSlot, check_replay_config, find_routers
+    from ._megatron import (
+        R2Recorder,
+        RouterReplayer,
+        RouterSlot,
+        ShadowReport,
+        check_replay_config,
+        find_routers,
+    )
 
 __all__ = [
     "NO_ROUTE",
+    "BatchCoverage",
     "PositionMap",
     "R2Recorder",
+    "RecordCoverage",
     "ReplayConfigError",
+    "ReplayPolicy",
+    "ReplayPolicyError",
     "ReplayTargets",
     "RouteAlignmentError",
     "RouteLayerMismatchError",
     "RouterReplayer",
     "RouterSlot",
     "SampleMap",
+    "ShadowReport",
     "TargetShapeError",
     "TokenMismatchError",
+    "batch_coverage",
     "check_replay_config",
     "cp_zigzag_index",
     "filler_experts",
@@ -61,7 +76,14 @@ __all__ = [
     "thd_position_map",
 ]
 
-_MEGATRON = {"R2Recorder", "RouterReplayer", "RouterSlot", "check_replay_config", "find_routers"}
+_MEGATRON = {
+    "R2Recorder",
+    "RouterReplayer",
+    "RouterSlot",
+    "ShadowReport",
+    "check_replay_config",
+    "find_routers",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -23,7 +23,14 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from ._targets import ReplayTargets
 from .errors import ReplayConfigError, RouteLayerMismatchError, TargetShapeError
 
-__all__ = ["R2Recorder", "RouterReplayer", "RouterSlot", "check_replay_config", "find_routers"]
+__all__ = [
+    "R2Recorder",
+    "RouterReplayer",
+    "RouterSlot",
+    "ShadowReport",
+    "check_replay_config",
+    "find_routers",
+]
 
 TargetsLike = ReplayTargets | torch.Tensor | Mapping[int, torch.Tensor]
 
@@ -159,6 +166,7 @@ class RouterReplayer:
         *,
         dtype: torch.dtype = torch.int64,
         check_config: bool = True,
+        shadow: bool = False,
     ) -> None:
         self.slots = find_routers(model)
         if not self.slots:
@@ -176,6 +184,65 @@ class RouterReplayer:
             s.router.register_forward_pre_hook(self._make_check(s), with_kwargs=True)
             for s in self.slots
         ]
+        # Shadow diagnostics: in each replayed forward, also compute the experts the router
+        # itself would choose, and count the (token, layer) decisions that differ.
+        self.shadow = shadow
+        self._shadow_acc: dict[int, torch.Tensor] = {}
+        self._shadow_valid: dict[int, torch.Tensor | None] = {}
+        if shadow:
+            for s in self.slots:
+                self._wrap_topk(s)
+
+    # -- shadow diagnostics ----------------------------------------------------------------------
+    def _wrap_topk(self, slot: RouterSlot) -> None:
+        rr = slot.replay
+        original = rr.get_replay_topk  # the bound method; the wrapper shadows it on the instance
+
+        def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default=None):  # type: ignore[no-untyped-def]
+            out = original(scores, topk, num_groups, group_topk, default)
+            if rr.router_replay_action == RouterReplayAction.REPLAY_FORWARD and default is not None:
+                with torch.no_grad():
+                    _, own = default(scores.detach(), topk, num_groups=num_groups,
+                                     group_topk=group_topk)  # fmt: skip
+                    self._shadow_count(slot, own, out[1])
+            return out
+
+        rr.get_replay_topk = get_replay_topk
+
+    def _shadow_count(self, slot: RouterSlot, own: torch.Tensor, replayed: torch.Tensor) -> None:
+        """Accumulate [rows, token mismatches, slot mismatches] on the device (no sync)."""
+        replayed = replayed.to(own.device)
+        same_slot = (own.unsqueeze(2) == replayed.unsqueeze(1)).any(2)  # own expert j replayed?
+        slots_off = (~same_slot).sum(1)  # experts of the router's own top-k not replayed
+        valid = self._shadow_valid.get(slot.layer)
+        if valid is not None and valid.shape[0] == own.shape[0]:
+            slots_off = slots_off[valid]
+        counts = torch.stack(
+            [
+                torch.tensor(slots_off.shape[0], device=own.device),
+                (slots_off > 0).sum(),
+                slots_off.sum(),
+            ]
+        )
+        acc = self._shadow_acc.get(slot.layer)
+        self._shadow_acc[slot.layer] = counts if acc is None else acc + counts
+
+    def shadow_report(self, *, reset: bool = True) -> ShadowReport:
+        """What the routers would have chosen without replay, since the last report (or
+        :meth:`clear`): per layer, the share of tokens whose top-k set differs from the replayed
+        one and the share of chosen experts that differ. Filler rows are not counted."""
+        if not self.shadow:
+            raise ReplayConfigError(
+                "shadow diagnostics are off: RouterReplayer(model, shadow=True)"
+            )
+        per: dict[int, tuple[int, int, int]] = {}
+        for layer, acc in sorted(self._shadow_acc.items()):
+            rows, tok, slots = (int(x) for x in acc.tolist())
+            per[layer] = (rows, tok, slots)
+        top_k = self.slots[0].top_k
+        if reset:
+            self._shadow_acc.clear()
+        return ShadowReport(per, top_k)
 
     # -- introspection ----------------------------------------------------------------------------
     @property
@@ -348,6 +415,11 @@ class RouterReplayer:
         where each call runs one chunk); ``targets`` may cover more layers than it holds.
         """
         self.set_targets(targets, model=model, **kwargs)
+        if self.shadow:
+            valid = getattr(targets, "valid", None)
+            mask = None if valid is None else torch.from_numpy(valid).to(self.device)
+            for s in self.slots_of(model):
+                self._shadow_valid[s.layer] = mask
         self.set_action(RouterReplayAction.REPLAY_FORWARD, model=model)
         try:
             yield
@@ -359,6 +431,7 @@ class RouterReplayer:
         for s in self.slots:
             s.replay.clear_indices()
             s.replay.clear_router_replay_action()
+        self._shadow_valid.clear()
 
     @contextmanager
     def step(self) -> Iterator[None]:
@@ -371,11 +444,43 @@ class RouterReplayer:
             self.clear()
 
     def remove(self) -> None:
-        """Remove the shape-check hooks and clear."""
+        """Remove the shape-check hooks and shadow wrappers, and clear."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for s in self.slots:
+            s.replay.__dict__.pop("get_replay_topk", None)
         self.clear()
+
+
+@dataclass(frozen=True)
+class ShadowReport:
+    """Shadow diagnostics of some replayed forwards: ``per_layer[layer] = (rows, tokens whose
+    top-k set differs, chosen experts that differ)``; global 0-based layers."""
+
+    per_layer: dict[int, tuple[int, int, int]]
+    top_k: int
+
+    def token_mismatch(self, layer: int | None = None) -> float:
+        """Share of (token, layer) decisions whose expert set differs from the replayed one."""
+        items = [self.per_layer[layer]] if layer is not None else list(self.per_layer.values())
+        rows = sum(r for r, _, _ in items)
+        return sum(t for _, t, _ in items) / rows if rows else 0.0
+
+    def slot_mismatch(self, layer: int | None = None) -> float:
+        """Share of the router's own chosen experts that were not the replayed ones."""
+        items = [self.per_layer[layer]] if layer is not None else list(self.per_layer.values())
+        rows = sum(r for r, _, _ in items)
+        return sum(s for _, _, s in items) / (rows * self.top_k) if rows else 0.0
+
+    def as_metrics(self, prefix: str = "replay/") -> dict[str, float]:
+        out = {
+            f"{prefix}router_token_mismatch": self.token_mismatch(),
+            f"{prefix}router_slot_mismatch": self.slot_mismatch(),
+        }
+        for layer in self.per_layer:
+            out[f"{prefix}router_token_mismatch/layer_{layer}"] = self.token_mismatch(layer)
+        return out
 
 
 def _compact_dtype(num_experts: int) -> torch.dtype:

@@ -52,12 +52,15 @@ class ReplayTargets:
             sees (sequence-major ``s * B + b`` of this rank's ``[S, B]`` slice).
         num_experts: ``E``; every id is ``< E``.
         filler_rows: how many of the ``N`` rows are fillers (no route).
+        valid: ``[N]`` bool, the rows that carry a real route (not fillers), in the same order;
+            None when unknown (all rows count).
     """
 
     layers: tuple[int, ...]
     experts: np.ndarray
     num_experts: int
     filler_rows: int = 0
+    valid: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.experts.ndim != 3 or self.experts.shape[0] != len(self.layers):
@@ -92,7 +95,9 @@ class ReplayTargets:
             raise RouteLayerMismatchError(
                 f"no targets for layers {missing}; targets cover layers {list(self.layers)}"
             )
-        return ReplayTargets(tuple(layers), self.experts[idx], self.num_experts, self.filler_rows)
+        return ReplayTargets(
+            tuple(layers), self.experts[idx], self.num_experts, self.filler_rows, self.valid
+        )
 
     def to_torch(
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
@@ -208,8 +213,10 @@ def gather_targets(
         out[:, fill_idx] = filler_experts(
             pmap.position.reshape(-1)[fill_idx], num_experts, top_k, dt
         )[None]
+    valid = ~none
     if B > 1:  # [M, B, S, K] -> [M, S, B, K]: Megatron's router flattens [S, B] sequence-major
         out = np.ascontiguousarray(out.reshape(M, B, S, top_k).transpose(0, 2, 1, 3)).reshape(
             M, N, top_k
         )
-    return ReplayTargets(layers, out, num_experts, int(fill_idx.size))
+        valid = np.ascontiguousarray(valid.reshape(B, S).T).reshape(N)
+    return ReplayTargets(layers, out, num_experts, int(fill_idx.size), valid)

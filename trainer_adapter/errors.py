@@ -8,6 +8,7 @@ from routereplay.client import RouteError, RouteShapeError
 
 __all__ = [
     "ReplayConfigError",
+    "ReplayPolicyError",
     "RouteAlignmentError",
     "RouteLayerMismatchError",
     "TargetShapeError",
@@ -50,3 +51,8 @@ class TargetShapeError(RouteShapeError):
 
 class ReplayConfigError(RouteError, ValueError):
     """The model's configuration bypasses routing replay (fused router, sinkhorn, ...)."""
+
+
+class ReplayPolicyError(RouteError, ValueError):
+    """A batch fails the trainer's replay policy (weight versions, staleness, coverage); the
+    message names each record at fault."""
