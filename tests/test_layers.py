@@ -4,7 +4,7 @@ public names (a package's ``__all__``), and the light client ships no tooling.
     client, local_redis              (nothing of ours)
     service                          -> client, local_redis
     trainer_adapter                  -> client
-    bench, cli                       -> anything (tooling above every layer)
+    bench, experiments, cli          -> anything (tooling above every layer)
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ LAYERS = {
     "trainer_adapter": "trainer_adapter",
     "routereplay/local_redis.py": "local_redis",
     "routereplay/bench": "bench",
+    "routereplay/experiments": "experiments",
     "routereplay/cli.py": "cli",
 }
 ALLOWED = {
@@ -29,7 +30,8 @@ ALLOWED = {
     "service": {"client", "local_redis"},
     "trainer_adapter": {"client"},
     "bench": {"client", "service", "trainer_adapter", "local_redis"},
-    "cli": {"client", "service", "trainer_adapter", "local_redis", "bench"},
+    "experiments": {"client", "service", "trainer_adapter", "local_redis", "bench"},
+    "cli": {"client", "service", "trainer_adapter", "local_redis", "bench", "experiments"},
 }
 
 
