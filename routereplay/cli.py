@@ -17,10 +17,15 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "build the tiny deterministic Qwen3-MoE model used by the embedded default",
     ),
     "bench": ("routereplay.cli:_bench_main", "benchmarks: store | service | trainer"),
+    "experiment": ("routereplay.cli:_experiment_main", "experiments: rl-loop"),
     "loadtest": (
         "routereplay.bench.loadtest:main",
         "load a running service and verify every route it stored",
     ),
+}
+
+_EXPERIMENTS: dict[str, str] = {
+    "rl-loop": "routereplay.experiments.rl_loop:main",
 }
 
 _BENCHES: dict[str, str] = {
@@ -42,6 +47,15 @@ def _bench_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="routereplay bench")
     p.add_argument("which", choices=sorted(_BENCHES))
     p.parse_args(argv)  # prints usage / the error and exits
+    return 2
+
+
+def _experiment_main(argv: list[str]) -> int:
+    if argv and argv[0] in _EXPERIMENTS:
+        return int(_load(_EXPERIMENTS[argv[0]])(argv[1:]) or 0)
+    p = argparse.ArgumentParser(prog="routereplay experiment")
+    p.add_argument("which", choices=sorted(_EXPERIMENTS))
+    p.parse_args(argv)
     return 2
 
 
