@@ -185,13 +185,15 @@ class RouterReplayer:
             for s in self.slots
         ]
         # Shadow diagnostics: in each replayed forward, also compute the experts the router
-        # itself would choose, and count the (token, layer) decisions that differ.
+        # itself would choose, and count the (token, layer) decisions that differ. ``shadow``
+        # may be switched off and on again (e.g. on some steps only).
         self.shadow = shadow
         self._shadow_acc: dict[int, torch.Tensor] = {}
         self._shadow_valid: dict[int, torch.Tensor | None] = {}
         if shadow:
             for s in self.slots:
                 self._wrap_topk(s)
+        self._shadow_wrapped = shadow
 
     # -- shadow diagnostics ----------------------------------------------------------------------
     def _wrap_topk(self, slot: RouterSlot) -> None:
@@ -200,7 +202,11 @@ class RouterReplayer:
 
         def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default=None):  # type: ignore[no-untyped-def]
             out = original(scores, topk, num_groups, group_topk, default)
-            if rr.router_replay_action == RouterReplayAction.REPLAY_FORWARD and default is not None:
+            if (
+                self.shadow
+                and rr.router_replay_action == RouterReplayAction.REPLAY_FORWARD
+                and default is not None
+            ):
                 with torch.no_grad():
                     _, own = default(scores.detach(), topk, num_groups=num_groups,
                                      group_topk=group_topk)  # fmt: skip
@@ -210,20 +216,18 @@ class RouterReplayer:
         rr.get_replay_topk = get_replay_topk
 
     def _shadow_count(self, slot: RouterSlot, own: torch.Tensor, replayed: torch.Tensor) -> None:
-        """Accumulate [rows, token mismatches, slot mismatches] on the device (no sync)."""
+        """Accumulate [rows, token mismatches, slot mismatches] on the device (no host sync;
+        a handful of small ops per layer)."""
         replayed = replayed.to(own.device)
-        same_slot = (own.unsqueeze(2) == replayed.unsqueeze(1)).any(2)  # own expert j replayed?
-        slots_off = (~same_slot).sum(1)  # experts of the router's own top-k not replayed
+        # Experts of the router's own top-k that the replayed row does not hold.
+        off = (own.unsqueeze(2) != replayed.unsqueeze(1)).all(2).sum(1)
         valid = self._shadow_valid.get(slot.layer)
         if valid is not None and valid.shape[0] == own.shape[0]:
-            slots_off = slots_off[valid]
-        counts = torch.stack(
-            [
-                torch.tensor(slots_off.shape[0], device=own.device),
-                (slots_off > 0).sum(),
-                slots_off.sum(),
-            ]
-        )
+            off = off * valid  # filler rows count as agreeing, and are not counted as rows
+            rows = valid.sum()
+        else:
+            rows = torch.full((), own.shape[0], device=own.device)
+        counts = torch.stack([rows, off.count_nonzero(), off.sum()])
         acc = self._shadow_acc.get(slot.layer)
         self._shadow_acc[slot.layer] = counts if acc is None else acc + counts
 
