@@ -6,6 +6,8 @@ into the session's private redis-server (``redis_url`` from tests/conftest.py).
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,18 +55,28 @@ def dense_first_model(model_dir: Path) -> Path:
     return ensure_tiny_model("dense-first", model_dir)
 
 
+@contextlib.contextmanager
+def start_service(
+    redis_url: str, tiny_model: Path, log_dir: Path, *flags: str
+) -> Iterator[tuple[Service, subprocess.Popen]]:
+    """A ``routereplay serve`` of the tiny model (its own engine) on a free port."""
+    port = free_port()
+    log = log_dir / "serve.log"
+    argv = serve_argv(
+        "--port", str(port), "--redis-url", redis_url, "--model-dir", str(tiny_model.parent),
+        "--max-model-len", "2048", "--log-level", "warning", *flags,
+    )  # fmt: skip
+    with process(argv, f"http://127.0.0.1:{port}/ready", log, engine_env()) as proc:
+        url = f"http://127.0.0.1:{port}"
+        yield Service(url, MODEL_NAME, tiny_model, redis_url, log), proc
+
+
 @pytest.fixture(scope="session")
 def service(
     redis_url: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Service]:
-    port = free_port()
-    log = tmp_path_factory.mktemp("service") / "serve.log"
-    argv = serve_argv(
-        "--port", str(port), "--redis-url", redis_url, "--model-dir", str(tiny_model.parent),
-        "--max-model-len", "2048", "--log-level", "warning",
-    )  # fmt: skip
-    with process(argv, f"http://127.0.0.1:{port}/ready", log, engine_env()):
-        yield Service(f"http://127.0.0.1:{port}", MODEL_NAME, tiny_model, redis_url, log)
+    with start_service(redis_url, tiny_model, tmp_path_factory.mktemp("service")) as (svc, _):
+        yield svc
 
 
 @pytest.fixture()

@@ -22,8 +22,7 @@ import pytest
 
 from routereplay.service.cli import ENGINE_DEAD_EXIT
 
-from ._procs import engine_env, free_port, process, serve_argv
-from .conftest import MODEL_NAME
+from .conftest import MODEL_NAME, start_service
 
 pytestmark = pytest.mark.vllm
 
@@ -55,16 +54,10 @@ class FaultyService:
 def faulty(
     tiny_model: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[FaultyService]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv = serve_argv(
-        "--port", str(port), "--redis-url", redis_url, "--route-prefix", "faulty",
-        "--model-dir", str(tiny_model.parent), "--log-level", "warning",
-        "--engine-death-grace-s", "4",
-    )  # fmt: skip
-    log = tmp_path_factory.mktemp("faulty") / "serve.log"
-    with process(argv, f"{url}/ready", log, engine_env()) as proc:
-        yield FaultyService(url, proc)
+    log_dir = tmp_path_factory.mktemp("faulty")
+    flags = ("--route-prefix", "faulty", "--engine-death-grace-s", "4")
+    with start_service(redis_url, tiny_model, log_dir, *flags) as (svc, proc):
+        yield FaultyService(svc.url, proc)
 
 
 def test_engine_death_mid_stream(faulty: FaultyService) -> None:

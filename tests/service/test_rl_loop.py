@@ -20,8 +20,7 @@ import pytest
 
 from routereplay.client import decode_record
 
-from ._procs import engine_env, free_port, process, serve_argv
-from .conftest import MODEL_NAME, Service
+from .conftest import Service, start_service
 
 pytestmark = pytest.mark.vllm
 
@@ -45,14 +44,9 @@ def perturbed_checkpoint(src: Path, dst: Path) -> Path:
 def own_service(
     redis_url: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Service]:
-    port = free_port()
-    log = tmp_path_factory.mktemp("rl") / "serve.log"
-    argv = serve_argv(
-        "--port", str(port), "--redis-url", redis_url, "--route-prefix", "rl",
-        "--model-dir", str(tiny_model.parent), "--log-level", "warning",
-    )  # fmt: skip
-    with process(argv, f"http://127.0.0.1:{port}/ready", log, engine_env()):
-        yield Service(f"http://127.0.0.1:{port}", MODEL_NAME, tiny_model, redis_url, log)
+    log_dir = tmp_path_factory.mktemp("rl")
+    with start_service(redis_url, tiny_model, log_dir, "--route-prefix", "rl") as (svc, _):
+        yield svc
 
 
 @pytest.fixture()
