@@ -17,7 +17,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "build the tiny deterministic Qwen3-MoE model used by the embedded default",
     ),
     "bench": ("routereplay.cli:_bench_main", "benchmarks: store | service | trainer"),
-    "experiment": ("routereplay.cli:_experiment_main", "experiments: rl-loop"),
+    "experiment": ("routereplay.cli:_experiment_main", "experiments: rl-loop | mismatch"),
     "loadtest": (
         "routereplay.bench.loadtest:main",
         "load a running service and verify every route it stored",
@@ -26,6 +26,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
 
 _EXPERIMENTS: dict[str, str] = {
     "rl-loop": "routereplay.experiments.rl_loop:main",
+    "mismatch": "routereplay.experiments.mismatch:main",
 }
 
 _BENCHES: dict[str, str] = {

@@ -65,8 +65,10 @@ class Settings(BaseSettings):
         None, description="model path (or hub name on a host that has it); unset: the tiny model"
     )
     served_model_name: str | None = Field(None, description="name clients send; default: model")
-    tiny_variant: Literal["moe", "dense-first"] = Field(
-        "moe", description="the embedded tiny model: all layers MoE, or a dense first layer"
+    tiny_variant: Literal["moe", "dense-first", "sharp"] = Field(
+        "moe",
+        description="the embedded tiny model: all layers MoE, a dense first layer, or sharp "
+        "(layers that matter: for train/inference mismatch experiments)",
     )
     model_dir: Path | None = Field(
         None, description="cache of built tiny models (default ~/.cache/routereplay/models)"

@@ -21,7 +21,14 @@ __all__ = ["VARIANTS", "build_tiny_model", "default_model_dir", "ensure_tiny_mod
 VARIANTS: dict[str, dict] = {
     "moe": {},
     "dense-first": {"mlp_only_layers": [0]},
+    "sharp": {},
 }
+# name -> weight init (std per kind, RMSNorm weights); the others use _INIT_DEFAULT.
+# "sharp" is a model whose layers matter: unit norms, a sharper output layer and a router at a
+# scale where bf16 flips some decisions, so a train/inference routing mismatch moves logprobs
+# (with every weight at std 0.05 the output is nearly uniform and no mismatch can show).
+_INIT_DEFAULT = {"router": 0.5, "lm_head": 0.05, "other": 0.05, "norm": None}
+_INIT = {"sharp": {"router": 0.1, "lm_head": 0.2, "other": 0.05, "norm": 1.0}}
 
 _SEED = 1234
 _VOCAB = 1024
@@ -156,11 +163,20 @@ def build_tiny_model(out: Path, variant: str = "moe") -> Path:
     torch.manual_seed(_SEED)
     model = Qwen3MoeForCausalLM(cfg).to(torch.float32)
     g = torch.Generator().manual_seed(_SEED + 1)
+    init = _INIT.get(variant, _INIT_DEFAULT)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if init["norm"] is not None and name.endswith("norm.weight"):
+                p.fill_(init["norm"])
+                continue
             # A wide router init gives decisive (non-uniform) routing, so ties are rare and
             # bit-exact comparisons between engines are meaningful.
-            std = 0.5 if name.endswith("mlp.gate.weight") else 0.05
+            if name.endswith("mlp.gate.weight"):
+                std = init["router"]
+            elif name == "lm_head.weight":
+                std = init["lm_head"]
+            else:
+                std = init["other"]
             p.copy_(torch.randn(p.shape, generator=g) * std)
     model.save_pretrained(out, safe_serialization=True)
     (out / "generation_config.json").unlink(missing_ok=True)

@@ -150,20 +150,46 @@ def megatron_config(
     return TransformerConfig(**kw)
 
 
+def _replace_in_spec(obj: Any, old: type, new: type) -> None:
+    """Swap module class ``old`` for ``new`` throughout a Megatron layer spec."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(obj, ModuleSpec):
+        if obj.module is old:
+            obj.module = new
+        _replace_in_spec(obj.submodules, old, new)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if v is old:
+                setattr(obj, f.name, new)
+            else:
+                _replace_in_spec(v, old, new)
+    elif isinstance(obj, list | tuple):
+        for x in obj:
+            _replace_in_spec(x, old, new)
+
+
 def build_model(
     hf_config: dict[str, Any],
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     routing_replay: bool = True,
+    core_attention: type | None = None,
     **overrides: Any,
 ) -> Any:
     """A Megatron ``GPTModel`` of ``hf_config`` (random weights; see :func:`load_hf_weights`).
 
-    Needs :func:`init_megatron` first. Rotary embeddings as Qwen3 (rotate-half, ``rope_theta``).
+    Needs :func:`init_megatron` first. Rotary embeddings as Qwen3 (rotate-half, ``rope_theta``),
+    applied by Megatron; or, with ``core_attention`` (a module in place of Megatron's core
+    attention, e.g. :class:`~.packing.PackedAttention` for packed layouts), by that module.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     device = torch.device(device)
     cfg = megatron_config(
@@ -171,12 +197,14 @@ def build_model(
         **overrides,
     )  # fmt: skip
     spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
+    if core_attention is not None:
+        _replace_in_spec(spec, DotProductAttention, core_attention)
     model = GPTModel(
         config=cfg,
         transformer_layer_spec=spec,
         vocab_size=int(hf_config["vocab_size"]),
         max_sequence_length=int(hf_config.get("max_position_embeddings", 4096)),
-        position_embedding_type="rope",
+        position_embedding_type="rope" if core_attention is None else "none",
         rotary_base=int(_rope_theta(hf_config)),
         share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings", False)),
         pre_process=True,

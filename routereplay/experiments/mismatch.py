@@ -1,0 +1,348 @@
+"""``routereplay experiment mismatch``: how much of the train-inference gap routing replay closes.
+
+1. Rollouts (``--dtype`` each): the model served by ``routereplay serve`` (vLLM, prefix caching
+   on) with the sampled tokens' logprobs: independent prompts, a GRPO group (``n = 4``) and a
+   3-turn trajectory whose turns re-send the history as token ids (later turns hit the prefix
+   cache). Routes fetched from the service.
+2. The trainer: the same weights in Megatron-Core (``bridge``), the rollouts packed in one row
+   (THD sequences, the group as one prompt + its completions, the trajectory as its last turn;
+   ``packing``), the sampled tokens' logprobs computed with replay ON (the engine's experts) and
+   OFF (the trainer's own routing).
+3. Reported per dtype: route agreement (share of (token, MoE layer) decisions equal to vLLM's:
+   checked on the routers' routing maps with replay on, recorded with replay off), mean and max
+   |logprob difference| to the engine's, and the k3 estimate of KL(engine || trainer). With
+   ``--router-fp32`` also replay on with the router computed in float32 (Megatron's
+   ``moe_router_dtype``): what of the remaining gap the routing weights (not the expert ids) hold.
+
+``--save-rollouts FILE`` writes step 1's data (records, tokens, engine logprobs) and
+``--from-rollouts FILE`` runs steps 2-3 from it elsewhere (the GPU machine has no vLLM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["main", "run_trainer"]
+
+PROMPTS = [
+    "The router picks two experts for every token of the batch",
+    "Replay the rollout routes in the training step",
+    "A mixture of experts model routes each token",
+    "The policy gradient needs the rollout logprobs",
+    "Which expert handles the query of this layer",
+    "Reward the sample that keeps the cache warm",
+]
+FOLLOW_UPS = [" And then the gradient of the reward", " Finally the value of the policy"]
+
+
+# -- 1. rollouts ---------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _service(model: Path, dtype: str, workdir: Path) -> Iterator[str]:
+    from routereplay.bench.servers import engine_env, server_process
+    from routereplay.local_redis import free_port
+
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "routereplay.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--model",
+        str(model),
+        "--served-model-name",
+        "m",
+        "--dtype",
+        dtype,
+        "--log-level",
+        "warning",
+    ]
+    url = f"http://127.0.0.1:{port}"
+    with server_process(argv, f"{url}/ready", workdir / f"serve-{dtype}.log", engine_env(), 300):
+        yield url
+
+
+def collect_rollouts(model: Path, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Serve ``model`` in ``dtype``, sample, and fetch the routes: a JSON-able dict."""
+    import httpx
+
+    from routereplay.client import RoutesClient, encode_record
+
+    body = {
+        "model": "m",
+        "max_tokens": args.max_tokens,
+        "temperature": 1.0,
+        "logprobs": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    items: list[dict[str, Any]] = []  # one per choice: kind, route id, engine logprobs
+    with (
+        tempfile.TemporaryDirectory(prefix="rr-mismatch-") as d,
+        _service(model, dtype, Path(d)) as url,
+        httpx.Client(base_url=url, timeout=300) as http,
+    ):
+
+        def complete(prompt: Any, n: int, kind: str, seed: int) -> list[dict[str, Any]]:
+            r = http.post("/v1/completions", json={**body, "prompt": prompt, "n": n, "seed": seed})
+            r.raise_for_status()
+            out = []
+            for c in r.json()["choices"]:
+                assert c["routed_experts"]["status"] == "stored", c["routed_experts"]
+                out.append(
+                    {
+                        "kind": kind,
+                        "route_id": c["routed_experts"]["route_id"],
+                        "prompt_ids": c["prompt_token_ids"],
+                        "token_ids": c["token_ids"],
+                        "logprobs": c["logprobs"]["token_logprobs"],
+                    }
+                )
+            return out
+
+        for i, p in enumerate(PROMPTS[: args.prompts]):
+            items += complete(p, 1, "single", seed=100 + i)
+        items += complete(PROMPTS[0], args.group, "group", seed=7)
+        # A trajectory: each turn's prompt is the history as token ids, plus the next message.
+        # The first prompt is long enough (> 128 tokens, vLLM's cache block) that the later
+        # turns' prompts hit the engine's prefix cache: their cached rows come from its cache.
+        turn = complete("Turn one: " + ". ".join(PROMPTS * 2), 1, "turn", seed=11)[0]
+        items.append(turn)
+        for k, follow in enumerate(FOLLOW_UPS):
+            tok = http.post("/tokenize", json={"prompt": follow, "add_special_tokens": False})
+            history = turn["prompt_ids"] + turn["token_ids"] + tok.json()["tokens"]
+            turn = complete(history, 1, "turn", seed=12 + k)[0]
+            items.append(turn)
+        with RoutesClient(url) as rc:
+            records = rc.get_many([it["route_id"] for it in items])
+    for it, rec in zip(items, records, strict=True):
+        it["record"] = base64.b64encode(encode_record(rec)).decode()
+        it["cached_tokens"] = rec.num_cached_tokens
+    return {"dtype": dtype, "model": str(model), "items": items}
+
+
+# -- 2./3. the trainer -----------------------------------------------------------------------------
+def _router_maps(replayer: Any) -> tuple[dict[int, list[Any]], list[Any]]:
+    """Forward hooks that keep each router's routing map (bool [N, E]) per call."""
+    maps: dict[int, list[Any]] = {s.layer: [] for s in replayer.slots}
+    hooks = [
+        s.router.register_forward_hook(
+            lambda m, a, out, layer=s.layer: maps[layer].append(out[1].detach())
+        )
+        for s in replayer.slots
+    ]
+    return maps, hooks
+
+
+def run_trainer(
+    rollouts: dict[str, Any], *, device: str = "cpu", router_fp32: bool = False
+) -> dict[str, Any]:
+    """Logprobs and routing of the rollouts in Megatron, replay on and off; the numbers."""
+    import torch
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from routereplay.client import decode_record
+    from routereplay.trainer_adapter import RouterReplayer, gather_targets
+
+    from . import bridge
+    from .packing import Pack, PackedAttention
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[rollouts["dtype"]]
+    dev = torch.device(device)
+    items = rollouts["items"]
+    records = [decode_record(base64.b64decode(it["record"])) for it in items]
+    hf_cfg, hf_state = bridge.load_hf_checkpoint(rollouts["model"])
+    bridge.init_megatron(dev)
+    theta = bridge._rope_theta(hf_cfg)
+
+    pack = Pack(records)
+    for i, it in enumerate(items):
+        if it["kind"] == "single":
+            pack.add_sequence(i)
+    pack.add_group([i for i, it in enumerate(items) if it["kind"] == "group"])
+    pack.add_trajectory([i for i, it in enumerate(items) if it["kind"] == "turn"])
+    pm = pack.position_map()
+    ids = pack.input_ids()
+    pm.check_tokens(records, ids)
+    engine_lp = np.array([items[t.record]["logprobs"][t.completion_index] for t in pack.targets])
+
+    results: dict[str, Any] = {
+        "dtype": rollouts["dtype"],
+        "tokens_packed": int(ids.size),
+        "sampled_tokens": len(pack.targets),
+    }
+    variants = [("replay_on", True, None), ("replay_off", False, None)]
+    if router_fp32:
+        variants.append(("replay_on_router_fp32", True, "fp32"))
+    models: dict[Any, Any] = {}
+    for name, replay, router_dtype in variants:
+        if router_dtype not in models:
+            extra = {"moe_router_dtype": router_dtype} if router_dtype else {}
+            m = bridge.build_model(
+                hf_cfg, device=dev, dtype=dtype, core_attention=PackedAttention, **extra
+            )
+            bridge.load_hf_weights(m, hf_state, hf_cfg)
+            m.eval()
+            models[router_dtype] = (m, RouterReplayer(m, shadow=True))
+        model, rep = models[router_dtype]
+        targets = gather_targets(pm, records, rep.layers)
+        tokens = torch.from_numpy(ids).to(dev)
+        pos = torch.from_numpy(np.asarray(pack.positions)[None]).to(dev)
+        PackedAttention.CONTEXT = pack.attention_context(dev, theta)
+        maps, hooks = _router_maps(rep)
+        t0 = time.perf_counter()
+        with torch.no_grad(), rep.step():
+            if replay:
+                with rep.micro_batch(targets):
+                    logits = model(tokens, pos, None)
+            else:
+                rep.set_action(RouterReplayAction.RECORD)
+                logits = model(tokens, pos, None)
+        took = time.perf_counter() - t0
+        for h in hooks:
+            h.remove()
+        # Agreement with the engine on the rows that carry a route.
+        valid = targets.valid
+        agree, total = 0, 0
+        for k, layer in enumerate(rep.layers):
+            chosen = maps[layer][-1].cpu().numpy()  # [N, E] bool: the experts this router used
+            want = np.zeros_like(chosen)
+            np.put_along_axis(want, targets.experts[k].astype(np.int64), True, axis=1)
+            same = (chosen == want).all(axis=1)
+            agree += int(same[valid].sum())
+            total += int(valid.sum())
+        logp = torch.log_softmax(logits.float(), -1)[0]
+        idx = torch.tensor([t.predictor for t in pack.targets], device=dev)
+        tok = torch.tensor([pack.tokens[t.index] for t in pack.targets], device=dev)
+        trainer_lp = logp[idx].gather(1, tok[:, None]).squeeze(1).cpu().numpy()
+        diff = trainer_lp - engine_lp
+        shadow = rep.shadow_report() if replay else None
+        results[name] = {
+            "route_agreement": agree / total if total else 1.0,
+            "mean_abs_logprob_diff": float(np.abs(diff).mean()),
+            "max_abs_logprob_diff": float(np.abs(diff).max()),
+            # k3: E[exp(d) - 1 - d], d = log p_trainer - log p_engine, tokens sampled by the engine
+            "kl_k3": float(np.mean(np.exp(diff) - 1 - diff)),
+            "forward_s": round(took, 4),
+            "abs_diffs": np.abs(diff).round(6).tolist(),
+        }
+        if shadow is not None:
+            results[name]["shadow_token_mismatch"] = shadow.token_mismatch()
+    return results
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'dtype':9} {'replay':22} {'route agreement':>16} {'mean |dlogp|':>13} "
+        f"{'max |dlogp|':>12} {'KL (k3)':>10}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        for name in ("replay_on", "replay_off", "replay_on_router_fp32"):
+            if name in r:
+                x = r[name]
+                lines.append(
+                    f"{r['dtype']:9} {name.replace('_', ' '):22} {x['route_agreement']:16.4f} "
+                    f"{x['mean_abs_logprob_diff']:13.6f} {x['max_abs_logprob_diff']:12.6f} "
+                    f"{x['kl_k3']:10.2e}"
+                )
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict[str, Any]], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(rows), figsize=(5.5 * len(rows), 3.8), squeeze=False)
+    for ax, r in zip(axes[0], rows, strict=True):
+        on = np.asarray(r["replay_on"]["abs_diffs"]) + 1e-9
+        off = np.asarray(r["replay_off"]["abs_diffs"]) + 1e-9
+        bins = np.logspace(-9, max(0.0, float(np.log10(max(on.max(), off.max())))), 40)
+        ax.hist(off, bins=bins, alpha=0.6, label=f"replay off (mean {off.mean():.4f})")
+        ax.hist(on, bins=bins, alpha=0.6, label=f"replay on (mean {on.mean():.4f})")
+        ax.set_xscale("log")
+        ax.set_xlabel("|trainer logprob - vLLM logprob| per sampled token")
+        ax.set_ylabel("tokens")
+        ax.set_title(f"{title}, {r['dtype']}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="routereplay experiment mismatch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default="sharp",
+        help="a tiny variant (moe, dense-first, sharp) or a checkpoint directory",
+    )
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--prompts", type=int, default=6)
+    p.add_argument("--group", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--router-fp32",
+        action="store_true",
+        help="also replay with the router in float32 (routing weights' share)",
+    )
+    p.add_argument("--save-rollouts", type=Path)
+    p.add_argument("--from-rollouts", type=Path)
+    p.add_argument(
+        "--model-dir", type=Path, help="with --from-rollouts: the model's files are here"
+    )
+    p.add_argument("--json", type=Path, help="write the numbers here")
+    p.add_argument("--plot", type=Path, help="write a PNG of the |logprob difference| histograms")
+    args = p.parse_args(argv)
+
+    if args.from_rollouts:
+        all_rollouts = json.loads(args.from_rollouts.read_text())
+        if args.model_dir:
+            for r in all_rollouts:
+                r["model"] = str(args.model_dir)
+    else:
+        from routereplay.service.tiny_model import VARIANTS, ensure_tiny_model
+
+        model = ensure_tiny_model(args.model) if args.model in VARIANTS else Path(args.model)
+        all_rollouts = [collect_rollouts(model, d, args) for d in args.dtypes.split(",")]
+        if args.save_rollouts:
+            args.save_rollouts.write_text(json.dumps(all_rollouts))
+    rows = [run_trainer(r, device=args.device, router_fp32=args.router_fp32) for r in all_rollouts]
+    for r, ro in zip(rows, all_rollouts, strict=True):
+        cached = sum(it["cached_tokens"] for it in ro["items"])
+        prompts = sum(len(it["prompt_ids"]) for it in ro["items"])
+        r["prefix_cache_hits"] = [cached, prompts]
+        print(
+            f"{r['dtype']}: {r['sampled_tokens']} sampled tokens in one pack of "
+            f"{r['tokens_packed']} (THD sequences, a GRPO group of {args.group} as prompt + "
+            f"completions, a 3-turn trajectory); prefix-cache hits: {cached} of {prompts} "
+            "prompt tokens"
+        )
+    print(_table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    if args.plot:
+        _plot(rows, args.plot, Path(all_rollouts[0]["model"]).name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
