@@ -80,6 +80,12 @@ _RELEASE = (
     "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 )
 
+# Compare-and-extend: keep a lease alive only while this holder's token still holds it.
+_RENEW = (
+    "if redis.call('get', KEYS[1]) == ARGV[1] then "
+    "return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+)
+
 # A batch of commands: (pipeline method name, args, kwargs). An operation yields batches and is
 # sent back each batch's replies; its return value is the operation's result.
 Command = tuple[str, tuple[Any, ...], dict[str, Any]]
@@ -315,6 +321,13 @@ class RouteStore(_Common):
         with _redis_errors(self._where):
             return bool(self.redis.eval(_RELEASE, 1, self.keys.claim(name), token))
 
+    def renew(self, name: str, token: str, ttl_s: float) -> bool:
+        """Extend the lease on ``name`` to ``ttl_s`` from now if ``token`` still holds it; False
+        when it lapsed (and maybe went to another holder)."""
+        with _redis_errors(self._where):
+            key = self.keys.claim(name)
+            return bool(self.redis.eval(_RENEW, 1, key, token, int(ttl_s * 1000)))
+
     def delete_many(self, route_ids: Sequence[str]) -> int:
         """Delete the manifests of ``route_ids``; returns how many existed."""
         with _redis_errors(self._where):
@@ -447,6 +460,12 @@ class AsyncRouteStore(_Common):
         """See :meth:`RouteStore.release`."""
         with _redis_errors(self._where):
             return bool(await self.redis.eval(_RELEASE, 1, self.keys.claim(name), token))
+
+    async def renew(self, name: str, token: str, ttl_s: float) -> bool:
+        """See :meth:`RouteStore.renew`."""
+        with _redis_errors(self._where):
+            key = self.keys.claim(name)
+            return bool(await self.redis.eval(_RENEW, 1, key, token, int(ttl_s * 1000)))
 
     async def delete_many(self, route_ids: Sequence[str]) -> int:
         """See :meth:`RouteStore.delete_many`."""

@@ -130,6 +130,7 @@ def create_app(
                 stack.push_async_callback(be.close)
             metrics.bind_queue_depth(be.num_unfinished)
             app.state.service = ServiceState.build(settings, metrics, be, st)
+            stack.push_async_callback(app.state.service.request_ids.aclose)
             watcher = None
             if on_fatal is not None:
                 watcher = asyncio.create_task(

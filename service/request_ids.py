@@ -7,11 +7,16 @@ other generation's record: the second gets 409. The claim is a lease in Redis (`
 it holds across every replica that shares the store; a retry after the first finished reuses the
 id and overwrites its routes (idempotent retries), and routes of the earlier generation that the
 new one does not overwrite (it asked for fewer choices) are deleted.
+
+Leases are short (``--request-id-lease-s``, 30 s) and renewed while their request runs: when a
+replica dies mid-request, the ids it held are free again within one lease, so a client's retry
+on another replica is accepted instead of refused for the length of the longest request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -43,15 +48,20 @@ class Claim:
 class RequestIds:
     """Validates client ids, generates the others, and claims the client-chosen ones.
 
-    A claim lapses after ``max_age_s`` (the longest a request may run), so a stream the server
-    never finished cannot hold an id forever. If Redis cannot be reached the claim is held in
-    this process only (routes cannot be stored then anyway) and a warning is logged.
+    A claim is a Redis lease of ``lease_s``, renewed every ``lease_s / 3`` while its request
+    runs, for at most ``max_age_s`` (the longest a request may run): a stream the server never
+    finished cannot hold an id forever, and a dead replica's ids lapse within ``lease_s``. If
+    Redis cannot be reached the claim is held in this process only (routes cannot be stored then
+    anyway) and a warning is logged.
     """
 
-    def __init__(self, max_age_s: float) -> None:
+    def __init__(self, max_age_s: float, lease_s: float = 30.0) -> None:
         self.max_age_s = max_age_s
+        self.lease_s = min(lease_s, max_age_s)
         self._local: dict[tuple[str, str], float] = {}
+        self._held: dict[tuple[str, str], tuple[Claim, float]] = {}
         self._releases: set[asyncio.Task] = set()
+        self._renewer: asyncio.Task | None = None
 
     @staticmethod
     def resolve(header: str | None, prefix: str) -> str:
@@ -85,14 +95,53 @@ class RequestIds:
             raise self._conflict(rid)
         token = uuid.uuid4().hex
         try:
-            if not await store.claim(rid, token, self.max_age_s):
+            if not await store.claim(rid, token, self.lease_s):
                 raise self._conflict(rid)
             in_redis = True
         except RouteError as e:
             log.warning("request id %s claimed in this process only: %s", rid, redact(str(e)))
             in_redis = False
         self._local[local] = now
-        return Claim(rid, token, store, in_redis)
+        claim = Claim(rid, token, store, in_redis)
+        if in_redis:
+            self._held[local] = (claim, now)
+            if self._renewer is None or self._renewer.done():
+                self._renewer = asyncio.get_running_loop().create_task(self._renew_leases())
+        return claim
+
+    async def _renew_leases(self) -> None:
+        """Extend every held lease each ``lease_s / 3`` until none is held."""
+        while self._held:
+            await asyncio.sleep(self.lease_s / 3)
+            now = time.monotonic()
+            held = []
+            for key, (claim, since) in list(self._held.items()):
+                if now - since >= self.max_age_s:
+                    # Past the longest a request may run: stuck; let its lease lapse.
+                    self._held.pop(key, None)
+                else:
+                    held.append((key, claim))
+            results = await asyncio.gather(
+                *(c.store.renew(c.request_id, c.token, self.lease_s) for _, c in held),
+                return_exceptions=True,
+            )
+            for (key, claim), ok in zip(held, results, strict=True):
+                if isinstance(ok, RouteError):
+                    log.warning("lease on %s not renewed: %s", claim.request_id, redact(str(ok)))
+                elif isinstance(ok, BaseException):
+                    raise ok
+                elif not ok and key in self._held:
+                    # Lost (a Redis restart without persistence, a lapse during an outage).
+                    log.warning("lease on request id %s was lost", claim.request_id)
+                    self._held.pop(key, None)
+
+    async def aclose(self) -> None:
+        """Stop renewing (at shutdown); the leases lapse by themselves."""
+        self._held.clear()
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
 
     async def retire_stale(self, claim: Claim, n: int) -> None:
         """Delete the routes ``rid-n .. rid-63`` an earlier generation under this id left: the
@@ -109,7 +158,11 @@ class RequestIds:
         The Redis release is shielded: a request being cancelled still gives its lease back."""
         if claim is None:
             return
-        self._local.pop((claim.store.keys.prefix, claim.request_id), None)
+        key = (claim.store.keys.prefix, claim.request_id)
+        self._local.pop(key, None)
+        held = self._held.get(key)
+        if held is not None and held[0] is claim:
+            self._held.pop(key, None)
         if claim.in_redis:
             task = asyncio.get_running_loop().create_task(self._release(claim))
             self._releases.add(task)

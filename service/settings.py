@@ -51,6 +51,11 @@ class Settings(BaseSettings):
         default_factory=list, description="keys that also reach every tenant's routes"
     )
     admin_keys_file: Path | None = Field(None, description="file of admin keys, one per line")
+    metrics_open: bool = Field(
+        False,
+        description="serve /metrics without a key (for scrapers that cannot send one; it holds "
+        "counters and latencies, no prompts, routes or tenant names)",
+    )
     upstream_api_key: SecretStr | None = Field(
         None, description="bearer key the upstream vLLM server requires"
     )
@@ -115,6 +120,12 @@ class Settings(BaseSettings):
     )
     offload_bytes: int = Field(
         1 << 18, ge=0, description="records larger than this are built in a worker thread"
+    )
+    request_id_lease_s: float = Field(
+        30.0,
+        gt=0,
+        description="lease on a client's X-Request-Id while its request runs (renewed); a "
+        "crashed replica's ids are free again after it",
     )
     max_batch_ids: int = Field(1024, ge=1, description="ids per POST /v1/routes:batch")
     max_batch_bytes: int = Field(

@@ -67,8 +67,11 @@ class ServiceState:
             timeout_s=settings.store_timeout_s, offload_bytes=settings.offload_bytes,
             max_pending=settings.max_pending_writes,
         )  # fmt: skip
-        # A leaked claim (a stream never started) lapses after the longest a request may run.
-        request_ids = RequestIds(settings.upstream_timeout_s + settings.store_timeout_s)
+        # A claim is renewed while its request runs, up to the longest a request may run (a
+        # leaked one, a stream never started, lapses then); a dead replica's within one lease.
+        request_ids = RequestIds(
+            settings.upstream_timeout_s + settings.store_timeout_s, settings.request_id_lease_s
+        )
         return cls(
             settings=settings,
             metrics=metrics,

@@ -263,6 +263,70 @@ def bench_dedupe(rng: np.random.Generator, url: str, prompt: int, completion: in
         store.close()
 
 
+def _redis_cpu_and_memory(r: object) -> tuple[float, int]:
+    info = r.info()  # type: ignore[attr-defined]
+    return info["used_cpu_user"] + info["used_cpu_sys"], info["used_memory"]
+
+
+def bench_redis_capacity(
+    rng: np.random.Generator, groups: int, group_size: int, prompt: int, completion: int
+) -> None:
+    """What one Redis node pays per stored token: memory (keys, chunks, manifests, index) and
+    server CPU, for GRPO groups of the Qwen3-30B-A3B shape, against the peer baseline of storing
+    vLLM's inline route blob under the request id (a plain ``SET ... EX``), in the same run on a
+    fresh private redis-server each. Redis runs commands on one thread: tokens per Redis CPU
+    second is what one cluster master absorbs at 100% of a core."""
+    print(
+        f"\n== Redis cost per stored token: {groups} GRPO groups x {group_size} samples, prompt "
+        f"{prompt} + completion {completion} tokens, {SHAPES[0].name} shape =="
+    )
+    shape = SHAPES[0]
+    M = len(shape.moe_layers)
+    records = []
+    for _ in range(groups):
+        p_tok = rng.integers(0, 151_000, prompt)
+        p_rows = skewed_routes(rng, prompt, M, shape.num_experts, shape.top_k)
+        for _ in range(group_size):
+            tok = np.concatenate([p_tok, rng.integers(0, 151_000, completion)])
+            rows = np.concatenate(
+                [p_rows, skewed_routes(rng, completion, M, shape.num_experts, shape.top_k)]
+            )
+            records.append(make_record(shape, rows, tok, prompt))
+    tokens = sum(r.num_tokens for r in records)
+    inline = [vllm_inline(r) for r in records]
+    rows = []
+    for name in ("routereplay", "vLLM inline blob (SET)"):
+        with redis_server() as url:
+            store = RouteStore.from_url(url, prefix="cap", ttl_s=3600)
+            try:
+                cpu0, mem0 = _redis_cpu_and_memory(store.redis)
+                t0 = time.perf_counter()
+                for i, rec in enumerate(records):
+                    if name == "routereplay":
+                        store.put(f"cap-{i}", rec)
+                    else:
+                        store.redis.set(f"peer:{{cap-{i}}}", inline[i], ex=3600)
+                wall = time.perf_counter() - t0
+                cpu1, mem1 = _redis_cpu_and_memory(store.redis)
+            finally:
+                store.close()
+        cpu = cpu1 - cpu0
+        rows.append((name, (mem1 - mem0) / tokens, cpu / tokens * 1e6, tokens / cpu, tokens / wall))
+    print(
+        f"{'store':24s} {'mem B/token':>12s} {'redis CPU us/token':>19s} "
+        f"{'tokens per redis CPU-s':>23s} {'one writer tokens/s':>20s}"
+    )
+    for name, mem, us, per_cpu_s, per_wall in rows:
+        print(f"{name:24s} {mem:12.1f} {us:19.3f} {per_cpu_s:23,.0f} {per_wall:20,.0f}")
+    ours, peer = rows
+    print(
+        f"peer/ours: memory {peer[1] / ours[1]:.1f}x, Redis CPU {peer[2] / ours[2]:.1f}x. "
+        "mem = used_memory growth / tokens stored (keys and allocator overhead included); "
+        "tokens = prompt + completion of every sample; one writer = this process putting "
+        "records one after another (route encoding included), not a Redis limit."
+    )
+
+
 def _time(fn: Callable[[], object]) -> float:
     t = time.perf_counter()
     fn()
@@ -281,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
         help="Redis for the dedupe part; by default a private redis-server on a free port",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--capacity-groups", type=int, default=8, help="GRPO groups for the Redis cost part"
+    )
     args = p.parse_args(argv)
     rng = np.random.default_rng(args.seed)
     bench_sizes_and_speed(rng, args.tokens, args.repeat)
@@ -289,4 +356,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         with redis_server() as url:
             bench_dedupe(rng, url, args.prompt, args.completion)
+    if args.capacity_groups:
+        bench_redis_capacity(rng, args.capacity_groups, 8, args.prompt, args.completion)
     return 0

@@ -58,8 +58,15 @@ async def ready(raw_request: Request) -> JSONResponse:
     return JSONResponse({"status": "ready"})
 
 
-@router.get("/metrics", response_class=Response, dependencies=[Depends(principal)])
+def _metrics_access(request: Request) -> None:
+    # --metrics-open: a Prometheus that discovers pods by annotation scrapes without credentials.
+    if not request.app.state.settings.metrics_open:
+        principal(request)
+
+
+@router.get("/metrics", response_class=Response, dependencies=[Depends(_metrics_access)])
 async def metrics(raw_request: Request) -> Response:
-    """Prometheus text format (this app's own registry)."""
+    """Prometheus text format (this app's own registry). Needs a key when keys are configured,
+    unless --metrics-open."""
     registry = raw_request.app.state.metrics.registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -73,6 +73,20 @@ async def test_health_and_ready_stay_open(keyed: App) -> None:
     assert (await keyed.http.get("/ready")).json() == {"status": "ready"}
 
 
+async def test_metrics_open_opens_metrics_only(redis_url: str) -> None:
+    """--metrics-open: a scraper without credentials reads /metrics; nothing else opens, and
+    the exposition names no tenant."""
+    async with running_app(redis_url, api_keys=[ALICE], metrics_open=True) as svc:
+        assert (await svc.http.post("/v1/completions", json=BODY, headers=bearer(ALICE))).is_success
+        r = await svc.http.get("/metrics")
+        assert r.status_code == 200 and "routereplay_requests_total" in r.text
+        assert "alice" not in r.text
+        for method, path, body in PROTECTED:
+            if path != "/metrics":
+                r = await svc.http.request(method, path, json=body)
+                assert r.status_code == 401, (path, r.text)
+
+
 async def test_tenants_cannot_reach_each_others_routes(keyed: App) -> None:
     http = keyed.http
     shared = {"X-Request-Id": "same-id"}

@@ -26,7 +26,8 @@ def serve(*flags: str, timeout: float = 60) -> subprocess.CompletedProcess:
 def test_help_lists_flags_choices_and_env() -> None:
     out = serve("--help").stdout
     assert "--backend {vllm,upstream,synthetic}" in out
-    assert "--tiny-variant {moe,dense-first}" in out
+    assert "--tiny-variant {moe,dense-first,sharp}" in out
+    assert "--request-id-lease-s" in out and "--metrics-open" in out
     assert "--enforce-eager | --no-enforce-eager" in out
     assert "ROUTEREPLAY_" in out
 

@@ -96,6 +96,43 @@ async def test_claims_hold_across_replicas(redis_url: str) -> None:
                 assert again.status_code == 200
 
 
+async def test_a_long_request_keeps_its_id_past_the_lease(redis_url: str) -> None:
+    """The lease is renewed while the request runs: a request lasting several leases still
+    holds its id on every replica, and frees it when it ends."""
+    async with running_app(redis_url, request_id_lease_s=0.3) as a:
+        a.backend.step_delay_s = 0.05  # 24 tokens: ~1.2 s, four leases
+        headers = {"X-Request-Id": "long-one"}
+        first = asyncio.create_task(a.http.post("/v1/completions", json=BODY, headers=headers))
+        while a.backend.num_unfinished() == 0:
+            await asyncio.sleep(0.005)
+        key = a.store.keys.claim("long-one")
+        await asyncio.sleep(0.8)
+        assert not first.done()
+        assert await a.store.redis.exists(key), "the lease lapsed while its request ran"
+        assert 0 < await a.store.redis.pttl(key) <= 300
+        assert (await first).status_code == 200
+        await asyncio.sleep(0.05)
+        assert not await a.store.redis.exists(key), "not released at the end"
+
+
+async def test_a_dead_replicas_ids_lapse_within_one_lease(redis_url: str) -> None:
+    """A replica that dies mid-request renews nothing: its ids are free again after one
+    lease, so a client's retry on another replica is accepted."""
+    from routereplay.service.request_ids import RequestIds
+
+    async with running_app(redis_url, request_id_lease_s=0.4) as a:
+        dead = RequestIds(max_age_s=600, lease_s=0.4)
+        await dead.claim(a.store, "orphan")
+        await dead.aclose()  # the replica is gone: no renewal, no release
+        refused = await a.http.post("/v1/completions", json=BODY,
+                                    headers={"X-Request-Id": "orphan"})  # fmt: skip
+        assert refused.status_code == 409
+        await asyncio.sleep(0.5)
+        again = await a.http.post("/v1/completions", json=BODY,
+                                  headers={"X-Request-Id": "orphan"})  # fmt: skip
+        assert again.status_code == 200, again.text
+
+
 async def test_reuse_with_fewer_choices_retires_the_extra_routes(svc: App) -> None:
     headers = {"X-Request-Id": "shrink"}
     r = await svc.http.post("/v1/completions", json={**BODY, "n": 3, "temperature": 1.0},
