@@ -39,6 +39,7 @@ if TYPE_CHECKING:
         RouterReplayer,
         RouterSlot,
         ShadowReport,
+        attach_legacy_replay,
         check_replay_config,
         find_routers,
     )
@@ -61,6 +62,7 @@ __all__ = [
     "ShadowReport",
     "TargetShapeError",
     "TokenMismatchError",
+    "attach_legacy_replay",
     "batch_coverage",
     "check_replay_config",
     "cp_zigzag_index",
@@ -78,6 +80,7 @@ __all__ = [
 
 _MEGATRON = {
     "R2Recorder",
+    "attach_legacy_replay",
     "RouterReplayer",
     "RouterSlot",
     "ShadowReport",

@@ -1,5 +1,9 @@
 """The one module that touches Megatron-Core: installs replay targets into RouterReplay.
 
+Two paths, one API: megatron-core >= 0.16 has ``RouterReplay`` (native, the default there: build
+with ``moe_enable_routing_replay=True``); 0.12 to 0.15 get :mod:`._legacy`'s equivalent, attached
+to the built model's routers by :class:`RouterReplayer` (no config flag exists there).
+
 Routers are found by walking the model (every VPP chunk), never through
 ``RouterReplay.global_router_replay_instances``: that list grows across model builds and a stale
 entry silently disables replay. Each router is matched to its targets by its global 1-based
@@ -15,19 +19,44 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+from . import _legacy
+from ._legacy import LegacyRouterReplay
 from ._targets import ReplayTargets
 from .errors import ReplayConfigError, RouteLayerMismatchError, TargetShapeError
 
+try:  # megatron-core >= 0.16
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    NATIVE = True
+except ImportError:  # 0.12 - 0.15: no RouterReplay; the legacy path is the only one
+    RouterReplay = None  # type: ignore[assignment,misc]
+    RouterReplayAction = _legacy.ReplayAction  # type: ignore[assignment,misc]
+    NATIVE = False
+
+ReplayState = Any  # a RouterReplay (native) or a LegacyRouterReplay: the same interface
+_STATES: tuple[type, ...] = (LegacyRouterReplay,) if RouterReplay is None else (
+    RouterReplay, LegacyRouterReplay,
+)  # fmt: skip
+
+
+def _action(rr: ReplayState) -> str | None:
+    """The router's replay action by value (either path's enum)."""
+    a = rr.router_replay_action
+    return None if a is None else a.value
+
+
 __all__ = [
+    "NATIVE",
     "R2Recorder",
+    "RouterReplayAction",
     "RouterReplayer",
     "RouterSlot",
     "ShadowReport",
+    "attach_legacy_replay",
     "check_replay_config",
     "find_routers",
 ]
@@ -35,17 +64,35 @@ __all__ = [
 TargetsLike = ReplayTargets | torch.Tensor | Mapping[int, torch.Tensor]
 
 
-def check_replay_config(config: Any) -> None:
+def check_replay_config(config: Any, *, legacy: bool = False) -> None:
     """Raise :class:`ReplayConfigError` if ``config`` (a ``TransformerConfig``) cannot replay.
 
     Refused because replay is silently bypassed or undone: the fused router kernel (ignores
     RouterReplay), sinkhorn routing (its own assignment), forced random load balancing, token
     dropping (an expert capacity drops replayed assignments), and quantile-style balancing options
-    of newer releases.
+    of newer releases. ``legacy`` (megatron-core 0.12-0.15, which has no replay flag) also
+    refuses input jitter (noise on the router input), padding to capacity, 0.12's
+    ``alltoall_seq`` dispatcher (its router sees rows gathered across tensor parallel ranks, not
+    this rank's) and CUDA graphs (they would capture one micro-batch's experts).
     """
     problems = []
-    if not getattr(config, "moe_enable_routing_replay", False):
+    if not legacy and not getattr(config, "moe_enable_routing_replay", False):
         problems.append("moe_enable_routing_replay is False (routers have no RouterReplay)")
+    if legacy:
+        if getattr(config, "moe_input_jitter_eps", None):
+            problems.append(
+                f"moe_input_jitter_eps={config.moe_input_jitter_eps} (noise on the router input)"
+            )
+        if getattr(config, "moe_pad_expert_input_to_capacity", False):
+            problems.append("moe_pad_expert_input_to_capacity=True (capacity padding)")
+        if getattr(config, "moe_token_dispatcher_type", None) == "alltoall_seq":
+            problems.append(
+                "moe_token_dispatcher_type='alltoall_seq' (the router sees rows gathered across "
+                "tensor-parallel ranks; use 'alltoall' or 'allgather')"
+            )
+        for name in ("enable_cuda_graph", "external_cuda_graph"):
+            if getattr(config, name, False):
+                problems.append(f"{name}=True (a captured graph replays one batch's experts)")
     if getattr(config, "moe_router_fusion", False):
         problems.append("moe_router_fusion=True (the fused top-k kernel bypasses replay)")
     lb = getattr(config, "moe_router_load_balancing_type", None)
@@ -79,7 +126,7 @@ class RouterSlot:
     Attributes:
         layer_number: Megatron's global 1-based layer number (pipeline offset included).
         router: the ``TopKRouter`` module.
-        replay: its ``RouterReplay``.
+        replay: its ``RouterReplay`` (or ``LegacyRouterReplay`` on megatron-core 0.12-0.15).
         top_k, num_experts: its routing shape.
         name: module path, for messages.
         chunk: index of the (virtual pipeline) model chunk holding it.
@@ -87,7 +134,7 @@ class RouterSlot:
 
     layer_number: int
     router: torch.nn.Module
-    replay: RouterReplay
+    replay: ReplayState
     top_k: int
     num_experts: int
     name: str
@@ -112,7 +159,7 @@ def find_routers(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[Rou
     for ci, chunk in enumerate(chunks):
         for name, mod in chunk.named_modules():
             rr = getattr(mod, "router_replay", None)
-            if not isinstance(rr, RouterReplay) or id(mod) in seen:
+            if not isinstance(rr, _STATES) or id(mod) in seen:
                 continue
             seen.add(id(mod))
             ln = getattr(mod, "layer_number", None)
@@ -134,6 +181,25 @@ def find_routers(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[Rou
     if len(set(nums)) != len(nums):
         raise RouteLayerMismatchError(f"routers share layer numbers: {nums}")
     return slots
+
+
+def attach_legacy_replay(model: torch.nn.Module | Sequence[torch.nn.Module]) -> int:
+    """Give every ``TopKRouter`` of ``model`` (a module or VPP chunks) a
+    :class:`LegacyRouterReplay`, replacing a native ``RouterReplay`` if it has one, and make
+    megatron-core's top-k selection consult it (:func:`._legacy.install`). Returns how many
+    routers it attached to. Routers keep routing normally until an action is set."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    _legacy.install()
+    chunks = list(model) if isinstance(model, Sequence) else [model]
+    n = 0
+    for chunk in chunks:
+        for mod in chunk.modules():
+            if isinstance(mod, TopKRouter):
+                if not isinstance(getattr(mod, "router_replay", None), LegacyRouterReplay):
+                    mod.router_replay = LegacyRouterReplay()
+                n += 1
+    return n
 
 
 def _rows_of(x: torch.Tensor) -> int:
@@ -167,15 +233,30 @@ class RouterReplayer:
         dtype: torch.dtype = torch.int64,
         check_config: bool = True,
         shadow: bool = False,
+        path: Literal["auto", "native", "legacy"] = "auto",
     ) -> None:
+        if path not in ("auto", "native", "legacy"):
+            raise ValueError(f"path must be 'auto', 'native' or 'legacy', not {path!r}")
+        if path == "native" and not NATIVE:
+            raise ReplayConfigError(
+                "this megatron-core has no RouterReplay (it arrived in 0.16): use path='auto'"
+            )
+        # auto: native where megatron-core has it, else the legacy path (0.12-0.15).
+        self.legacy = path == "legacy" or (path == "auto" and not NATIVE)
+        if self.legacy:
+            attach_legacy_replay(model)
         self.slots = find_routers(model)
+        if self.legacy:
+            self.slots = [s for s in self.slots if isinstance(s.replay, LegacyRouterReplay)]
         if not self.slots:
             raise ReplayConfigError(
-                "no router with RouterReplay found in the model: build it with "
+                "no MoE router found in the model"
+                if self.legacy
+                else "no router with RouterReplay found in the model: build it with "
                 "moe_enable_routing_replay=True"
             )
         if check_config:
-            check_replay_config(self.slots[0].router.config)
+            check_replay_config(self.slots[0].router.config, legacy=self.legacy)
         if dtype not in (torch.int64, torch.int32):
             raise TargetShapeError(f"RouterReplay gathers need int64 or int32 targets, not {dtype}")
         self.dtype = dtype
@@ -184,6 +265,10 @@ class RouterReplayer:
             s.router.register_forward_pre_hook(self._make_check(s), with_kwargs=True)
             for s in self.slots
         ]
+        if self.legacy:
+            self._hooks += [
+                s.router.register_forward_hook(self._make_served(s)) for s in self.slots
+            ]
         # Shadow diagnostics: in each replayed forward, also compute the experts the router
         # itself would choose, and count the (token, layer) decisions that differ. ``shadow``
         # may be switched off and on again (e.g. on some steps only).
@@ -202,11 +287,7 @@ class RouterReplayer:
 
         def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default=None):  # type: ignore[no-untyped-def]
             out = original(scores, topk, num_groups, group_topk, default)
-            if (
-                self.shadow
-                and rr.router_replay_action == RouterReplayAction.REPLAY_FORWARD
-                and default is not None
-            ):
+            if self.shadow and _action(rr) == "replay_forward" and default is not None:
                 with torch.no_grad():
                     _, own = default(scores.detach(), topk, num_groups=num_groups,
                                      group_topk=group_topk)  # fmt: skip
@@ -263,11 +344,11 @@ class RouterReplayer:
     def _make_check(slot: RouterSlot):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             rr = slot.replay
-            act = rr.router_replay_action
-            if act == RouterReplayAction.REPLAY_FORWARD:
+            act = _action(rr)
+            if act == "replay_forward":
                 t = rr.target_topk_idx
                 when = "forward"
-            elif act == RouterReplayAction.REPLAY_BACKWARD:
+            elif act == "replay_backward":
                 if not torch.is_grad_enabled():
                     # Megatron recomputes under enable_grad; a no-grad forward here is an eval or
                     # logprob pass run after micro_batch() inside step(): it would pop (and
@@ -286,6 +367,8 @@ class RouterReplayer:
                 when = "recompute"
             else:
                 return
+            if isinstance(rr, LegacyRouterReplay):
+                rr.served = 0
             x = args[0] if args else kwargs.get("input", next(iter(kwargs.values()), None))
             n = _rows_of(x)
             if t is None or t.shape[0] != n:
@@ -293,6 +376,25 @@ class RouterReplayer:
                     f"layer {slot.layer_number} ({slot.name}) {when}: router sees {n} tokens "
                     f"but the replay target has {None if t is None else t.shape[0]} rows"
                 )
+
+        return hook
+
+    @staticmethod
+    def _make_served(slot: RouterSlot):
+        """Legacy path: after a replayed forward (or recompute), the router's top-k must have
+        taken its experts from the replay state. Something that replaced ``TopKRouter.routing``
+        or the top-k function before the replayer wrapped them (e.g. a vendor adaptor) and does
+        not call the release's top-k would otherwise route on its own, silently."""
+
+        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            rr = slot.replay
+            if _action(rr) in ("replay_forward", "replay_backward") and rr.served == 0:
+                raise ReplayConfigError(
+                    f"layer {slot.layer_number} ({slot.name}): the router ran without reaching "
+                    "the replay hook (its routing or top-k was replaced by code that does not "
+                    "call megatron-core's top-k function); replay is not applied"
+                )
+            rr.served = 0
 
         return hook
 

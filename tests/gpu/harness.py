@@ -15,7 +15,10 @@ from routereplay.local_redis import free_port
 SCRIPT = Path(__file__).resolve().parent / "replay_check.py"
 
 
-def run_check(nproc: int, *args: str, redis_url: str = "") -> list[dict]:
+def run_check(
+    nproc: int, *args: str, redis_url: str = "", env: dict[str, str] | None = None
+) -> list[dict]:
+    """``env``: extra environment (e.g. ``PYTHONPATH`` putting another megatron-core first)."""
     cmd = [sys.executable]
     if nproc > 1:
         cmd += [
@@ -25,7 +28,7 @@ def run_check(nproc: int, *args: str, redis_url: str = "") -> list[dict]:
     cmd += [str(SCRIPT), "--device", "cpu", *args]
     if redis_url:
         cmd += ["--redis-url", redis_url]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, f"rc={p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     res = results(p.stdout)  # ranks share stdout: records may be glued on one line

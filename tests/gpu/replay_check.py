@@ -52,7 +52,7 @@ H = 64
 # test-only shims and modules
 # ---------------------------------------------------------------------------------------------
 def _cpu_pipeline_shims() -> None:
-    """Megatron's schedules allocate a token counter with device="cuda"."""
+    """Megatron's schedules allocate a token counter on the GPU (device="cuda" or .cuda())."""
     from megatron.core.pipeline_parallel import schedules
 
     class _Torch:
@@ -66,20 +66,59 @@ def _cpu_pipeline_shims() -> None:
             return torch.zeros(*a, **k)
 
     schedules.torch = _Torch()
+    # 0.12's 1F1B schedule also moves a token counter with .cuda().
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
 
 
-def _cpu_shims() -> None:
-    """Let megatron-core run a full MoE model on CPU (see the notes): Router.gating moves weights
-    to torch.cuda.current_device(); 0.16 names te_general_gemm without TE; recompute saves the
-    CUDA RNG state."""
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-    from megatron.core.tensor_parallel import random as mrandom
+def _no_te_shims() -> None:
+    """megatron-core 0.13-0.16 name te_general_gemm in the router's gating even without
+    Transformer Engine (it is bound only when TE imports): NameError on any device."""
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _cpu_shims() -> None:
+    """Let megatron-core run a full MoE model on CPU (see the notes): Router.gating moves weights
+    to torch.cuda.current_device(); recompute saves the CUDA RNG state."""
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    from megatron.core.tensor_parallel import random as mrandom
+
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.zeros(1)
     mrandom._set_cuda_rng_state = lambda *a, **k: None
+
+
+def _forbid_cuda_in_routereplay() -> None:
+    """Every ``torch.cuda`` function raises when called from routereplay's own code (the
+    adapter's replay path must take devices from tensors: NPU stacks have no CUDA). Megatron's
+    calls, which the CPU shims above answer, still pass."""
+    import functools
+    import types
+
+    import routereplay.client
+    import routereplay.trainer_adapter
+
+    ours = tuple(
+        os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+        for m in (routereplay.trainer_adapter, routereplay.client)
+    )
+
+    def guard(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            caller = os.path.abspath(sys._getframe(1).f_code.co_filename)
+            if caller.startswith(ours):
+                raise RuntimeError(f"torch.cuda.{name} called from {caller}")
+            return fn(*a, **k)
+
+        return wrapper
+
+    for name in dir(torch.cuda):
+        fn = getattr(torch.cuda, name)
+        if isinstance(fn, types.FunctionType) and not name.startswith("_"):
+            setattr(torch.cuda, name, guard(name, fn))
+    torch.cuda.is_available = guard("is_available", lambda: False)
 
 
 class _GatherCP(torch.autograd.Function):
@@ -334,6 +373,10 @@ def build_model(args, device) -> list:
         rc = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif args.recompute == "selective":
         rc = dict(recompute_granularity="selective", recompute_modules=["moe"])
+    # megatron-core < 0.16 has no replay flag: its models are built as users build them today,
+    # and RouterReplayer attaches the legacy replay state afterwards.
+    if "moe_enable_routing_replay" in {f.name for f in dataclasses.fields(TransformerConfig)}:
+        rc["moe_enable_routing_replay"] = args.replay_path != "legacy"
     cfg = TransformerConfig(
         num_layers=NUM_LAYERS,
         hidden_size=H,
@@ -343,7 +386,6 @@ def build_model(args, device) -> list:
         num_moe_experts=E,
         moe_router_topk=K,
         moe_layer_freq=MOE_FREQ,
-        moe_enable_routing_replay=True,
         moe_token_dispatcher_type=args.dispatcher,
         moe_router_load_balancing_type="none",
         moe_grouped_gemm=False,
@@ -362,12 +404,20 @@ def build_model(args, device) -> list:
         add_bias_linear=False,
         **rc,
     )
+    import inspect
+
+    # megatron-core 0.12 has no vp_stage arguments: each chunk is built under the global
+    # virtual pipeline rank instead.
+    has_vp_stage = "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters
     chunks = []
     for vp in range(args.vpp):
         vp_stage = vp if args.vpp > 1 else None
-        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, vp_stage=vp_stage)
+        skw = {"vp_stage": vp_stage} if vp_stage is not None and has_vp_stage else {}
+        if args.vpp > 1 and not has_vp_stage:
+            ps.set_virtual_pipeline_model_parallel_rank(vp)
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, **skw)
         _patch_spec(spec, {DotProductAttention: PackedCausalAttention, WrappedTorchNorm: SPNorm})
-        kw = {"vp_stage": vp_stage} if args.vpp > 1 else {}
+        kw = skw
         model = GPTModel(
             config=cfg,
             transformer_layer_spec=spec,
@@ -375,11 +425,13 @@ def build_model(args, device) -> list:
             max_sequence_length=256,
             position_embedding_type="learned_absolute",
             share_embeddings_and_output_weights=False,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, **skw),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, **skw),
             **kw,
         )
         chunks.append(model.to(device))
+    if args.vpp > 1 and not has_vp_stage:
+        ps.set_virtual_pipeline_model_parallel_rank(0)
     return chunks
 
 
@@ -407,11 +459,12 @@ def adopt_records(args) -> list:
     return recs
 
 
-def fetch_records(args, recs):
-    """Round trip through Redis (RouteStore.get_many) or, without Redis, the codec."""
+def fetch_records(args, recs, dp_rank: int = 0):
+    """Round trip through Redis (RouteStore.get_many) or, without Redis, the codec. Ids carry
+    the data-parallel rank: replicas hold different records, and shared ids would race."""
     if args.route_ids:
         return recs, "engine"
-    ids = [f"check-{args.seed}-{i}" for i in range(len(recs))]
+    ids = [f"check-{args.seed}-dp{dp_rank}-{i}" for i in range(len(recs))]
     if args.redis_url:
         from routereplay.client import RouteStore
 
@@ -445,6 +498,14 @@ def main(argv=None) -> int:
     p.add_argument("--extras", action="store_true", help="also R2 mode, shape and stale checks")
     p.add_argument("--route-ids", default="", help="6 comma-separated ids to replay from Redis")
     p.add_argument("--route-prefix", default="rr", help="store prefix of --route-ids")
+    p.add_argument(
+        "--replay-path", default="auto", choices=["auto", "legacy"],
+        help="RouterReplayer(path=...): legacy forces the 0.12-0.15 path on a newer release",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-cuda", action="store_true",
+        help="make every torch.cuda call from routereplay's code raise (device-agnostic proof)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     t_start = time.time()
 
@@ -466,11 +527,18 @@ def main(argv=None) -> int:
         if args.pp > 1:
             _cpu_pipeline_shims()
     rank = dist.get_rank()
+    _no_te_shims()
 
     import megatron.core
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    try:
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+    except ImportError:  # megatron-core < 0.16
+        RouterReplay = None
+    if args.no_cuda:
+        _forbid_cuda_in_routereplay()
 
     from routereplay.trainer_adapter import (
         R2Recorder,
@@ -498,7 +566,8 @@ def main(argv=None) -> int:
     }
     # Engine records set the model's shape, so they are read before the model is built.
     adopted = adopt_records(args) if args.route_ids else None
-    if args.extras:  # a stale model: its RouterReplay instances stay in the global list
+    native = RouterReplay is not None and args.replay_path != "legacy"
+    if args.extras and native:  # a stale model: its RouterReplay instances stay in the global list
         RouterReplay.clear_global_router_replay_instances()
         build_model(args, device)
         result["stale_instances_before_build"] = len(RouterReplay.global_router_replay_instances)
@@ -506,10 +575,12 @@ def main(argv=None) -> int:
     for c in chunks:
         c.train()
     model = chunks[0]
-    replayer = RouterReplayer(chunks)
+    replayer = RouterReplayer(chunks, path=args.replay_path)
+    result["replay_path"] = "legacy" if replayer.legacy else "native"
     result["router_layer_numbers"] = [s.layer_number for s in replayer.slots]
     result["router_chunks"] = [s.chunk for s in replayer.slots]
-    result["global_instances"] = len(RouterReplay.global_router_replay_instances)
+    if native:
+        result["global_instances"] = len(RouterReplay.global_router_replay_instances)
     mine = [MOE_LAYERS.index(x) for x in replayer.layers]  # this rank's rows of the truth
 
     dp_rank = ps.get_data_parallel_rank()
@@ -517,7 +588,7 @@ def main(argv=None) -> int:
         recs = adopted
     else:
         recs = make_records(args.seed + 1000 * dp_rank)  # each data-parallel replica its own data
-    recs, source = fetch_records(args, recs)
+    recs, source = fetch_records(args, recs, dp_rank)
     result["records_from"] = source
 
     # ---- per micro-batch: align, slice, truth --------------------------------------------------
@@ -570,17 +641,19 @@ def main(argv=None) -> int:
         )
 
     # ---- hooks: the k-th forward (recompute) of a router is micro-batch k's ----------------
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction as A
+    def action(slot):  # by value: the native and the legacy enums share them
+        a = slot.replay.router_replay_action
+        return None if a is None else a.value
 
     stats: dict = {}
     slot_of = {s.layer_number: s for s in replayer.slots}
 
     def router_hook(slot):
         def hook(mod, inputs, output):
-            act = slot.replay.router_replay_action
-            if act not in (A.REPLAY_FORWARD, A.REPLAY_BACKWARD):
+            act = action(slot)
+            if act not in ("replay_forward", "replay_backward"):
                 return
-            phase = "fwd" if act == A.REPLAY_FORWARD else "rec"
+            phase = "fwd" if act == "replay_forward" else "rec"
             st = stats.setdefault(
                 slot.layer_number, {"fwd": 0, "rec": 0, "bad": 0, "calls_fwd": 0, "calls_rec": 0}
             )
@@ -604,7 +677,7 @@ def main(argv=None) -> int:
 
     def expert_hook(layer_number, e):
         def hook(mod, inputs):
-            if slot_of[layer_number].replay.router_replay_action == A.REPLAY_FORWARD:
+            if action(slot_of[layer_number]) == "replay_forward":
                 c = expert_counts.setdefault(layer_number, np.zeros(E, np.int64))
                 c[e] += inputs[0].shape[0]
 
@@ -793,20 +866,50 @@ def _extras(
         ok = False
     except ReplayConfigError:
         result["nograd_forward_in_step_raises"] = True
+    from routereplay.trainer_adapter._megatron import NATIVE
+
+    if replayer.legacy and not NATIVE:
+        # A vendor patch whose routing calls its own top-k (not the release's, which the replayer
+        # wraps) must be caught at the first replayed forward, not route silently. (On a release
+        # with RouterReplay the original top-k still consults the router's replay state.)
+        from megatron.core.transformer.moe import router as mrouter
+
+        from routereplay.trainer_adapter import _legacy
+
+        name = _legacy.topk_function_name(mrouter)
+        wrapped = getattr(mrouter, name)
+        setattr(mrouter, name, wrapped.__routereplay_original__)
+        try:
+            with replayer.step(), replayer.micro_batch(t):
+                forward(mbs[0])
+            result["bypass_detected"] = False
+            ok = False
+        except ReplayConfigError as e:
+            result["bypass_detected"] = "without reaching the replay hook" in str(e)
+            ok &= result["bypass_detected"]
+        finally:
+            setattr(mrouter, name, wrapped)
     # Bypassing configurations are refused.
     refused = []
-    for field, val in [
+    bypass = [
         ("moe_router_fusion", True),
         ("moe_router_load_balancing_type", "sinkhorn"),
         ("moe_expert_capacity_factor", 1.0),
-    ]:
+    ]
+    if replayer.legacy:
+        bypass += [
+            ("moe_input_jitter_eps", 0.01),
+            ("moe_token_dispatcher_type", "alltoall_seq"),
+            ("enable_cuda_graph", True),
+        ]
+    for field, val in bypass:
         cfg = _cfg_copy(model.config, field, val)
         try:
-            check_replay_config(cfg)
+            check_replay_config(cfg, legacy=replayer.legacy)
         except ReplayConfigError:
             refused.append(field)
     result["refused"] = refused
-    ok &= len(refused) == 3
+    ok &= len(refused) == len(bypass)
     return ok
 
 

@@ -18,7 +18,9 @@ fi
 rm -rf /tmp/rr && mkdir -p /tmp/rr/routereplay/client
 cp routereplay/*.py /tmp/rr/routereplay/
 cp client/_errors.py client/_record.py client/_codec.py /tmp/rr/routereplay/client/
-echo '"""routereplay.client (GPU check subset)."""' > /tmp/rr/routereplay/client/__init__.py
+printf '%s\n' '"""routereplay.client (GPU check subset: no Redis or HTTP modules)."""' \
+  'from ._errors import *  # noqa: F403' 'from ._record import RouteRecord, WeightSpan, expert_dtype' \
+  'from ._codec import decode_record, encode_record' > /tmp/rr/routereplay/client/__init__.py
 cp -r trainer_adapter /tmp/rr/routereplay/trainer_adapter
 export PYTHONPATH=/tmp/rr:/tmp/site
 (cd /tmp && python3 -c 'import torch, megatron.core as m, routereplay.client as c; print("torch",

@@ -17,6 +17,8 @@ KEYS = (
     "vpp_requires_chunk",
     "refused_targets",
     "nograd_forward_in_step_raises",
+    "replay_path",
+    "bypass_detected",
 )
 
 
