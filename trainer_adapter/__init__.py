@@ -23,6 +23,7 @@ from ._position_map import (
     thd_cp_index,
     thd_position_map,
 )
+from ._prefetch import Prefetcher
 from ._targets import ReplayTargets, filler_experts, gather_targets
 from .errors import (
     ReplayConfigError,
@@ -48,6 +49,7 @@ __all__ = [
     "NO_ROUTE",
     "BatchCoverage",
     "PositionMap",
+    "Prefetcher",
     "R2Recorder",
     "RecordCoverage",
     "ReplayConfigError",
