@@ -18,6 +18,11 @@ Row transforms (chosen per blob by an entropy estimate on a sample, recorded in 
   Huffman stage, within 1% of the log2(E!/(E-K)!) information bound.
 - ``delta``: each id minus the same slot of the previous token in the same layer (mod 2^bits).
   Real routers keep many experts from one token to the next; those slots become zeros.
+- ``keep`` (format 2): per (layer, slot) stream along the tokens, a bit per token saying whether
+  the expert changed from the previous token, then only the changed experts' ids. Kept slots cost
+  ~1 bit, new ids keep their layer's popularity skew (``delta`` turns them near-uniform). With
+  per-layer Huffman tables this codes the skewed workload of ``bench store`` within ~8% of its
+  entropy; decoding is a prefix count and a gather.
 - ``gaps`` (only with ``canonical_order=True``): each row sorted, then stored as the gaps between
   consecutive experts (``c[0]``, ``c[j] - c[j-1] - 1``). For uniformly random routes the gaps are
   exchangeable and near-geometric, so one Huffman table codes them within ~5% of the
@@ -27,8 +32,10 @@ Row transforms (chosen per blob by an entropy estimate on a sample, recorded in 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import struct
+import threading
 import zlib
 from dataclasses import dataclass
 from functools import lru_cache
@@ -54,7 +61,9 @@ __all__ = [
 ]
 
 MAGIC = b"RRTE"
-FORMAT_VERSION = 1
+# 2: the ``keep`` row transform, per-layer zstd blocks, chunks addressed with blake3. Blobs of
+# version 1 stay readable; a version-1 reader refuses version-2 blobs with an upgrade message.
+FORMAT_VERSION = 2
 MEDIA_TYPE = "application/vnd.routereplay.record"
 
 KIND_RECORD = 1
@@ -67,12 +76,38 @@ _HEADER = struct.Struct("<4sBBHII")  # magic, version, kind, reserved, payload_l
 XF_PLAIN = 0
 XF_DELTA = 1
 XF_GAPS = 2
+XF_KEEP = 3
+_TRANSFORMS = (XF_PLAIN, XF_DELTA, XF_GAPS, XF_KEEP)
 
 # Level 1: zstd's gain from higher levels on route rows is < 1% (they are near-incompressible
 # symbols or long repeats, both found at level 1) while encode speed halves.
 _ZSTD_LEVEL = 1
 # Entropy estimate sample: enough symbols for a stable histogram, cheap next to compression.
 _SAMPLE = 1 << 16
+# A layer whose symbols fill at least this many bytes gets zstd blocks of its own, hence its own
+# Huffman table (~50-100 bytes): real routers' expert popularity differs per layer, and one
+# table for all layers codes their mixture, which is nearly uniform. Smaller layers (a 128-token
+# store chunk holds ~1 KB per layer) share one table: a table each would cost more than it saves.
+_LAYER_BLOCK_MIN = 8192
+
+
+_tls = threading.local()
+
+
+def _zc() -> zstandard.ZstdCompressor:
+    # One context per thread: building one allocates and zeroes its tables, which costs about as
+    # much as decoding a small chunk; contexts are not thread-safe, hence per thread.
+    c = getattr(_tls, "zc", None)
+    if c is None:
+        c = _tls.zc = zstandard.ZstdCompressor(level=_ZSTD_LEVEL)
+    return c
+
+
+def _zd() -> zstandard.ZstdDecompressor:
+    d = getattr(_tls, "zd", None)
+    if d is None:
+        d = _tls.zd = zstandard.ZstdDecompressor()
+    return d
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,6 +260,39 @@ def _join_planes(data: memoryview, shape: tuple[int, ...], dtype: np.dtype) -> n
     return out.view("<u2").reshape(shape).astype(dtype, copy=False)
 
 
+def _keep_split(lm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``keep`` transform: (changed bits [M, K, T], changed ids in that order)."""
+    s = np.ascontiguousarray(lm.transpose(0, 2, 1))
+    changed = np.ones(s.shape, dtype=bool)  # a stream's first token always carries its id
+    np.not_equal(s[:, :, 1:], s[:, :, :-1], out=changed[:, :, 1:])
+    # np.compress: several times faster than boolean indexing (s[changed]) for this.
+    return changed, np.compress(changed.reshape(-1), s.reshape(-1))
+
+
+_POP = np.array([bin(b).count("1") for b in range(256)], dtype=np.int32)
+# _UPTO[b, j]: set bits among bits 0..j of byte b, in np.packbits' big-endian bit order.
+_UPTO = np.array(
+    [[bin(b >> (7 - j)).count("1") for j in range(8)] for b in range(256)], dtype=np.int32
+)
+
+
+def _keep_join(mask: np.ndarray, values: np.ndarray, shape: tuple[int, int, int]) -> np.ndarray:
+    """Inverse of :func:`_keep_split`: position i takes the id of the last changed position at
+    or before it in its stream, i.e. ``values[rank(i) - 1]`` with ``rank`` the count of set bits
+    up to i (a per-byte prefix count plus a table lookup; several times faster than a cumsum
+    over bits)."""
+    M, T, K = shape
+    n = M * T * K
+    pop = _POP[mask]
+    before = np.cumsum(pop, dtype=np.int32)
+    before -= pop
+    before -= 1
+    rank = np.take(_UPTO, mask, axis=0)
+    rank += before[:, None]
+    idx = rank.reshape(-1)[:n].reshape(M, K, T).transpose(0, 2, 1)
+    return values[idx]
+
+
 def canonicalize(lm: np.ndarray) -> np.ndarray:
     """Sort the K experts within every row (replay is insensitive to their order)."""
     return sort_rows(lm)
@@ -246,6 +314,59 @@ class Block:
     valid: np.ndarray
     canonical: bool
     prev_chain: bytes | None = None
+    address_hash: int = 1  # which hash addresses the chunk: 1 blake2b-128, 2 blake3-128
+
+
+def _layer_cost(a: np.ndarray, per_layer: bool) -> float:
+    """Estimated bits for layer-major ``a`` [M, ...]: one order-0 estimate per layer when each
+    layer gets its own Huffman table, else one for all."""
+    if per_layer:
+        return sum(_cost(a[m]) for m in range(a.shape[0]))
+    return _cost(a)
+
+
+def _keep_cost(lm: np.ndarray, per_layer: bool) -> float:
+    changed, values = _keep_split(lm)
+    p = float(changed.mean())
+    bits = 0.0 if p in (0.0, 1.0) else -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
+    if per_layer:
+        counts = changed.reshape(changed.shape[0], -1).sum(axis=1)
+        parts = np.split(values, np.cumsum(counts)[:-1])
+        return bits * changed.size + sum(_cost(v) for v in parts if v.size)
+    return bits * changed.size + _cost(values)
+
+
+def _plane_segments(a: np.ndarray, per_layer: bool, bounds: list[int]) -> list[bytes]:
+    """The bytes of ``a`` (flat, layer-major) as compression segments: low bytes split at the
+    layer ``bounds`` when ``per_layer``, then the near-constant high bytes of uint16 ids."""
+    flat = a.reshape(-1)
+    if flat.dtype == np.uint8:
+        low, high = flat, None
+    else:
+        b = flat.view(np.uint8).reshape(-1, 2)
+        low, high = np.ascontiguousarray(b[:, 0]), np.ascontiguousarray(b[:, 1])
+    if per_layer:
+        segs = [low[x:y].tobytes() for x, y in itertools.pairwise([0, *bounds, low.size])]
+    else:
+        segs = [low.tobytes()]
+    if high is not None:
+        segs.append(high.tobytes())
+    return segs
+
+
+def _compress(segments: list[bytes]) -> bytes:
+    """One zstd frame; each segment starts a new block (its own Huffman table). Token ids and
+    rows apart save ~1% on a 128-row store chunk: one table for both codes neither well."""
+    if len(segments) < 2:
+        return _zc().compress(b"".join(segments))
+    co = _zc().compressobj(size=sum(len(x) for x in segments))
+    out = []
+    for seg in segments:
+        if seg:
+            out.append(co.compress(seg))
+            out.append(co.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+    out.append(co.flush())
+    return b"".join(out)
 
 
 def encode_body(
@@ -256,29 +377,46 @@ def encode_body(
     *,
     canonical_order: bool = False,
     presorted: bool = False,
+    transform: int | None = None,
 ) -> dict[str, Any]:
     """Payload fields for a block of rows; ``experts_lm`` is layer-major ``[M, T, K]``.
 
     ``canonical_order`` stores rows in canonical form (see :func:`canonicalize`);
-    ``presorted`` says the caller already canonicalised them.
+    ``presorted`` says the caller already canonicalised them. ``transform`` forces a row
+    transform (tests and benchmarks); by default the smallest estimate wins.
     """
     M, T, K = experts_lm.shape
     if canonical_order and not presorted:
         experts_lm = canonicalize(experts_lm)
+    per_layer = M > 1 and T * K >= _LAYER_BLOCK_MIN
     # Candidate row transforms, chosen by an order-0 entropy estimate on a sample (a good proxy
     # for zstd's Huffman stage, which is what codes near-random symbols).
-    transforms: dict[int, Any] = {XF_PLAIN: lambda a: a}
+    costs: dict[int, Any] = {XF_PLAIN: lambda a: _layer_cost(a, per_layer)}
     if T > 1:
-        transforms[XF_DELTA] = _delta  # neighbouring tokens keep experts in place
+        costs[XF_DELTA] = lambda a: _layer_cost(_delta(a), per_layer)  # slots kept in place
+        costs[XF_KEEP] = lambda a: _keep_cost(a, per_layer)  # kept slots + skewed new ids
     if canonical_order:
-        transforms[XF_GAPS] = _gaps  # sorted rows without locality
-    xf = XF_PLAIN
-    if experts_lm.size and len(transforms) > 1:
+        costs[XF_GAPS] = lambda a: _layer_cost(_gaps(a), per_layer)  # sorted, no locality
+    if transform is not None:
+        if transform not in costs:
+            raise ValueError(f"row transform {transform} does not apply to this block")
+        xf = transform
+    elif experts_lm.size and len(costs) > 1:
         sample = _sample_tokens(experts_lm)
-        xf = min(transforms, key=lambda x: _cost(transforms[x](sample)))
-    rows = _split_planes(np.ascontiguousarray(transforms[xf](experts_lm)))
+        xf = min(costs, key=lambda x: costs[x](sample))
+    else:
+        xf = XF_PLAIN
     tok = token_ids.astype("<u4", copy=False).tobytes()
-    raw = b"".join((tok, np.packbits(valid).tobytes(), rows))
+    head = tok + np.packbits(valid).tobytes()
+    if xf == XF_KEEP:
+        changed, values = _keep_split(experts_lm)
+        bounds = np.cumsum(changed.reshape(M, -1).sum(axis=1))[:-1].tolist()
+        segments = [head, np.packbits(changed.reshape(-1)).tobytes()]
+        segments += _plane_segments(values, per_layer, bounds)
+    else:
+        rows = {XF_PLAIN: lambda a: a, XF_DELTA: _delta, XF_GAPS: _gaps}[xf](experts_lm)
+        bounds = [T * K * m for m in range(1, M)]
+        segments = [head, *_plane_segments(np.ascontiguousarray(rows), per_layer, bounds)]
     return {
         "T": T,
         "M": M,
@@ -286,8 +424,8 @@ def encode_body(
         "E": num_experts,
         "xf": xf,
         "canon": canonical_order,
-        "raw": len(raw),
-        "body": zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(raw),
+        "raw": sum(len(x) for x in segments),
+        "body": _compress(segments),
     }
 
 
@@ -304,24 +442,44 @@ def decode_body(p: dict[str, Any], what: str) -> Block:
         raise RouteCorruptError(f"{what}: size field out of range (T={T}, M={M}, K={K}, E={E})")
     dtype = expert_dtype(E)
     try:
-        raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=raw_len)
+        raw = _zd().decompress(body, max_output_size=raw_len)
     except zstandard.ZstdError as exc:
         raise RouteCorruptError(f"{what}: compressed body is corrupted: {exc}") from exc
     if len(raw) != raw_len:
         raise RouteCorruptError(f"{what}: body holds {len(raw)} bytes, header says {raw_len}")
     mv = memoryview(raw)
     vb = (T + 7) // 8
-    n_rows = M * T * K * dtype.itemsize
+    if xf not in _TRANSFORMS:
+        raise RouteCorruptError(f"{what}: unknown row transform {xf}")
+    n = M * T * K
+    mask = None
+    if xf == XF_KEEP:
+        mb = (n + 7) // 8
+        if raw_len < 4 * T + vb + mb:
+            raise RouteCorruptError(f"{what}: body size {raw_len} too small for its change bits")
+        mask = np.frombuffer(mv[4 * T + vb : 4 * T + vb + mb], dtype=np.uint8)
+        n_values = int(_POP[mask].sum())
+        n_rows = mb + n_values * dtype.itemsize
+    else:
+        n_rows = n * dtype.itemsize
     if raw_len != 4 * T + vb + n_rows:
         raise RouteCorruptError(
             f"{what}: body size {raw_len} does not match T={T}, M={M}, K={K}, E={E}"
         )
     token_ids = np.frombuffer(mv[: 4 * T], dtype="<u4").astype(np.int64)
     valid = np.unpackbits(np.frombuffer(mv[4 * T : 4 * T + vb], dtype=np.uint8), count=T)
-    rows = mv[4 * T + vb :]
-    if xf not in (XF_PLAIN, XF_DELTA, XF_GAPS):
-        raise RouteCorruptError(f"{what}: unknown row transform {xf}")
-    lm = _join_planes(rows, (M, T, K), dtype)
+    if mask is not None:
+        # Every stream's first token must carry an id: its bit is set (else the gather below
+        # would read another stream's id).
+        first = np.arange(M * K, dtype=np.int64) * T
+        if n and not ((mask[first >> 3] >> (7 - (first & 7)).astype(np.uint8)) & 1).all():
+            raise RouteCorruptError(f"{what}: change bits leave a stream without its first id")
+        if n % 8 and mask[-1] & ((1 << (8 - n % 8)) - 1):
+            raise RouteCorruptError(f"{what}: change bits set past the last row")
+        values = _join_planes(mv[4 * T + vb + mask.size :], (n_values,), dtype)
+        lm = _keep_join(mask, values, (M, T, K)) if n else np.empty((M, T, K), dtype)
+    else:
+        lm = _join_planes(mv[4 * T + vb :], (M, T, K), dtype)
     if xf == XF_DELTA:
         lm = np.cumsum(lm, axis=1, dtype=dtype)
     elif xf == XF_GAPS:
@@ -329,12 +487,16 @@ def decode_body(p: dict[str, Any], what: str) -> Block:
     prev = p.get("pc")
     if prev is not None and not isinstance(prev, bytes):
         raise RouteCorruptError(f"{what}: chain field has the wrong type")
+    ha = p.get("ha", 1)
+    if ha not in (1, 2):
+        raise RouteCorruptError(f"{what}: unknown address hash {ha!r}")
     return Block(
         token_ids=token_ids,
         experts=lm,
         valid=valid.astype(bool),
         canonical=canonical,
         prev_chain=prev,
+        address_hash=ha,
     )
 
 

@@ -2,9 +2,11 @@
 
 Preparing a step's replay targets (fetch from Redis, decode, align, slice, gather) is host work
 that does not depend on the step before it. :class:`Prefetcher` runs it for the next steps in a
-background thread while the current step computes: the Redis reads, zstd decoding and numpy copies
-release the GIL, so on a trainer whose main thread mostly waits for the accelerator the
-preparation costs the step almost nothing.
+background thread while the current step computes. A trainer's main thread spends its step in
+calls that release the GIL (CUDA kernels and synchronisation, torch ops, NCCL), so the
+preparation thread runs in that time, including its parts that hold the GIL (python-zstandard's
+one-shot decompress, Redis reply parsing): on ``bench trainer``'s simulated 2 s step it added
+0.02% against 14-25% when prepared serially.
 
 Back-pressure: at most ``depth`` prepared steps wait (their targets are host memory). Errors: an
 exception raised while preparing step k is raised by the ``next()`` that asks for step k (with the

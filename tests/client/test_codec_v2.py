@@ -1,0 +1,192 @@
+"""Format 2: the ``keep`` row transform, per-layer zstd blocks, blake3 chunk addresses; and
+format-1 blobs (written by commit de1d71c) still read exactly."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import msgpack
+import numpy as np
+import pytest
+import zstandard
+
+# pytest puts this directory on sys.path (rootdir-relative "prepend" import mode).
+from _format_fixtures import make_records
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from routereplay.bench.store import skewed_entropy_bits, skewed_routes, uniform_routes
+from routereplay.client import RouteCorruptError, RouteRecord, decode_record, encode_record
+from routereplay.client import _codec as C
+from routereplay.client._layout import parse_manifest, read_records
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "data", "format1.msgpack")
+
+
+def _round_trip(lm: np.ndarray, E: int, xf: int, canonical: bool = False) -> dict:
+    T = lm.shape[1]
+    rng = np.random.default_rng(T)
+    tok = rng.integers(0, 2**32, T, dtype=np.int64)
+    valid = rng.random(T) < 0.7
+    p = C.encode_body(tok, lm, valid, E, transform=xf, canonical_order=canonical, presorted=True)
+    # Through msgpack, as stored.
+    p = msgpack.unpackb(msgpack.packb(p, use_bin_type=True), raw=False)
+    blk = C.decode_body(p, "test")
+    assert p["xf"] == xf
+    assert blk.experts.dtype == lm.dtype and np.array_equal(blk.experts, lm)
+    assert np.array_equal(blk.token_ids, tok) and np.array_equal(blk.valid, valid)
+    return p
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    E=st.sampled_from([1, 2, 8, 128, 255, 256, 257, 300, 65536]),
+    M=st.integers(1, 4),
+    T=st.sampled_from([2, 3, 9, 64, 129]),
+    K=st.integers(1, 8),
+    keep=st.sampled_from([0.0, 0.5, 0.95, 1.0]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_every_transform_round_trips_every_byte(
+    E: int, M: int, T: int, K: int, keep: float, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    dt = C.expert_dtype(E)
+    x = rng.integers(0, E, (M, T, K)).astype(dt)
+    for t in range(1, T):  # slots that keep the previous token's expert
+        same = rng.random((M, K)) < keep
+        x[:, t][same] = x[:, t - 1][same]
+    for xf in (C.XF_PLAIN, C.XF_DELTA, C.XF_KEEP):
+        _round_trip(x, E, xf)
+    _round_trip(C.canonicalize(x), E, C.XF_GAPS, canonical=True)
+
+
+@pytest.mark.parametrize("E", [128, 256, 300])
+def test_per_layer_blocks_round_trip(E: int) -> None:
+    # T * K >= 8192 bytes per layer: each layer gets its own zstd blocks.
+    rng = np.random.default_rng(E)
+    ex = skewed_routes(rng, 1100, 3, E, 8)  # [T, M, K]
+    lm = np.ascontiguousarray(ex.transpose(1, 0, 2))
+    for xf in (C.XF_PLAIN, C.XF_DELTA, C.XF_KEEP):
+        _round_trip(lm, E, xf)
+
+
+def _skewed_record(T: int, M: int, E: int, K: int) -> RouteRecord:
+    rng = np.random.default_rng(7)
+    return RouteRecord(
+        token_ids=rng.integers(0, 150_000, T),
+        experts=skewed_routes(rng, T, M, E, K),
+        valid=np.ones(T, bool),
+        moe_layers=range(M),
+        num_layers=M,
+        num_experts=E,
+    )
+
+
+def test_skewed_routes_code_near_their_entropy() -> None:
+    # Zipf popularity in another order per layer + kept slots: the keep transform with a
+    # Huffman table per layer. Plain zstd on the same rows codes the layers' mixture.
+    T, M, E, K = 2048, 8, 128, 8
+    rec = _skewed_record(T, M, E, K)
+    blob = encode_record(rec)
+    assert C.unframe(blob, C.KIND_RECORD, "x")["xf"] == C.XF_KEEP
+    route_bytes = len(blob) - 4 * T
+    entropy = skewed_entropy_bits(E) * T * M * K / 8
+    plain = len(zstandard.ZstdCompressor(level=1).compress(rec.experts.tobytes()))
+    assert route_bytes < 1.10 * entropy, route_bytes / entropy
+    assert route_bytes < 0.80 * plain, route_bytes / plain
+    assert decode_record(blob) == rec
+
+
+def test_uniform_routes_stay_plain_and_near_the_bound() -> None:
+    T, M, E, K = 2048, 8, 128, 8
+    rng = np.random.default_rng(3)
+    ex = uniform_routes(rng, T, M, E, K)
+    rec = RouteRecord(
+        token_ids=np.zeros(T, np.int64), experts=ex, valid=np.ones(T, bool),
+        moe_layers=range(M), num_layers=M, num_experts=E,
+    )  # fmt: skip
+    blob = encode_record(rec)
+    assert C.unframe(blob, C.KIND_RECORD, "x")["xf"] == C.XF_PLAIN
+    bound = sum(math.log2(E - i) for i in range(K)) * T * M / 8
+    assert (len(blob) - 4 * T) < 1.01 * bound
+
+
+def _forge_keep(mask: bytes, values: bytes, T: int, M: int, K: int, E: int) -> dict:
+    head = np.zeros(T, "<u4").tobytes() + np.packbits(np.ones(T, bool)).tobytes()
+    raw = head + mask + values
+    return {"T": T, "M": M, "K": K, "E": E, "xf": C.XF_KEEP, "raw": len(raw),
+            "body": zstandard.ZstdCompressor().compress(raw)}  # fmt: skip
+
+
+def test_crafted_keep_bodies_are_corrupt_errors() -> None:
+    T, M, K, E = 4, 1, 2, 16  # streams of 4 tokens: bits 0-3 slot 0, bits 4-7 slot 1
+    ok = _forge_keep(bytes([0b1000_1000]), bytes([3, 5]), T, M, K, E)
+    assert C.decode_body(ok, "x").experts[0].tolist() == [[3, 5]] * 4
+    no_first = _forge_keep(bytes([0b0100_1000]), bytes([3, 5]), T, M, K, E)
+    with pytest.raises(RouteCorruptError, match="first id"):
+        C.decode_body(no_first, "x")
+    short = _forge_keep(bytes([0b1000_1000]), bytes([3]), T, M, K, E)
+    with pytest.raises(RouteCorruptError, match="does not match"):
+        C.decode_body(short, "x")
+    T = 3  # 6 bits used: the last two must be clear
+    pad = _forge_keep(bytes([0b1001_0001]), bytes([3, 5, 7]), T, M, K, E)
+    with pytest.raises(RouteCorruptError, match="past the last row"):
+        C.decode_body(pad, "x")
+
+
+def test_new_blobs_are_version_2_and_chunks_are_blake3_addressed() -> None:
+    from routereplay.client._layout import KeySchema, decode_chunk, plan_put
+
+    rec = make_records()["skewed-u8"]
+    blob = encode_record(rec)
+    assert blob[4] == C.FORMAT_VERSION == 2
+    plan = plan_put(KeySchema("t"), "r", rec, 128)
+    m = parse_manifest("r", plan.manifest_blob)
+    for i, d in enumerate(m.digests):
+        chunk = plan.chunk_blob(i)
+        assert C.unframe(chunk, C.KIND_CHUNK, "c")["ha"] == 2
+        decode_chunk(d, chunk)  # verifies the address
+    # The same chunk under another chunk's address is refused.
+    with pytest.raises(RouteCorruptError, match="does not match its address"):
+        decode_chunk(m.digests[1], plan.chunk_blob(0))
+
+
+def _fixture() -> dict:
+    with open(FIXTURE, "rb") as f:
+        return msgpack.unpackb(f.read(), raw=False)
+
+
+def test_format_1_records_still_decode_exactly() -> None:
+    doc = _fixture()
+    recs = make_records()
+    for name, rec in recs.items():
+        blob = doc["records"][name]
+        assert blob[4] == 1
+        assert decode_record(blob) == rec
+        canon = decode_record(doc["canonical"][name])
+        assert np.array_equal(canon.experts, np.sort(rec.experts, axis=-1))
+
+
+def test_format_1_store_chunks_are_read_and_verified() -> None:
+    doc = _fixture()
+    recs = make_records()
+    for name, rec in recs.items():
+        stored = doc["store"][name]
+        m = parse_manifest(f"fx-{name}", stored["manifest"])
+        chunks = dict(zip(m.digests, stored["chunks"], strict=True))
+        (out,) = read_records([f"fx-{name}"], [stored["manifest"]], chunks)
+        assert out == rec
+        # blake2b-addressed chunks are still checked against their address.
+        if len(m.digests) > 1:
+            swapped = {**chunks, m.digests[1]: chunks[m.digests[0]]}
+            (bad,) = read_records([f"fx-{name}"], [stored["manifest"]], swapped)
+            assert isinstance(bad, RouteCorruptError)
+
+
+def test_a_flipped_byte_inside_a_version_1_body_is_caught() -> None:
+    blob = bytearray(_fixture()["records"]["repeat-u8"])
+    blob[40] ^= 0xFF
+    with pytest.raises(RouteCorruptError, match="checksum"):
+        decode_record(bytes(blob))
