@@ -17,7 +17,8 @@ PY=${PY:-.venv/bin/python}
 DEB=http://deb.debian.org/debian
 need_root() { [ "$(id -u)" = 0 ] || { echo "run as root (apt, dockerd)" >&2; exit 1; }; }
 
-if ! command -v docker >/dev/null; then
+# dockerd, not just a docker client (some hosts have only /usr/local/bin/docker).
+if ! command -v dockerd >/dev/null || ! command -v docker >/dev/null; then
   need_root; apt-get update -qq; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io >/dev/null
 fi
 # compose v2 (`docker compose`) and buildx: Debian bookworm has neither (its docker-compose is
@@ -25,7 +26,8 @@ fi
 fetch_deb() {  # package
   need_root
   local f; f=$(curl -fsS "$DEB/dists/trixie/main/binary-amd64/Packages.xz" | xz -dc \
-    | awk -v p="$1" '$1=="Package:"{ok=($2==p)} ok&&$1=="Filename:"{print $2; exit}')
+    | awk -v p="$1" '$1=="Package:"{ok=($2==p)} ok&&$1=="Filename:"&&!f{f=$2} END{print f}')
+  # (awk reads to the end: exiting at the match would SIGPIPE curl and fail the pipeline.)
   curl -fsSo "/tmp/$1.deb" "$DEB/$f" && dpkg -i "/tmp/$1.deb" >/dev/null
 }
 docker compose version >/dev/null 2>&1 || fetch_deb docker-compose
@@ -35,6 +37,7 @@ started=""
 if ! docker info >/dev/null 2>&1; then
   need_root; (dockerd >/tmp/dockerd.log 2>&1 &); started=1
   for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+  docker info >/dev/null 2>&1 || { echo "dockerd did not start: /tmp/dockerd.log" >&2; exit 1; }
 fi
 cleanup() { [ -n "$started" ] && pkill -x dockerd || true; }
 trap cleanup EXIT
