@@ -241,14 +241,6 @@ def _delta(lm: np.ndarray) -> np.ndarray:
     return out
 
 
-def _split_planes(a: np.ndarray) -> bytes:
-    """uint16 -> low-byte plane then high-byte plane (high bytes are near-constant)."""
-    if a.dtype == np.uint8:
-        return a.tobytes()
-    b = a.reshape(-1).view(np.uint8).reshape(-1, 2)
-    return b[:, 0].tobytes() + b[:, 1].tobytes()
-
-
 def _join_planes(data: memoryview, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     if dtype == np.uint8:
         return np.frombuffer(data, dtype=np.uint8).reshape(shape)
@@ -276,14 +268,15 @@ _UPTO = np.array(
 )
 
 
-def _keep_join(mask: np.ndarray, values: np.ndarray, shape: tuple[int, int, int]) -> np.ndarray:
+def _keep_join(
+    mask: np.ndarray, pop: np.ndarray, values: np.ndarray, shape: tuple[int, int, int]
+) -> np.ndarray:
     """Inverse of :func:`_keep_split`: position i takes the id of the last changed position at
     or before it in its stream, i.e. ``values[rank(i) - 1]`` with ``rank`` the count of set bits
     up to i (a per-byte prefix count plus a table lookup; several times faster than a cumsum
-    over bits)."""
+    over bits). ``pop`` is ``_POP[mask]``, which the caller already needed for the size check."""
     M, T, K = shape
     n = M * T * K
-    pop = _POP[mask]
     before = np.cumsum(pop, dtype=np.int32)
     before -= pop
     before -= 1
@@ -463,7 +456,8 @@ def decode_body(p: dict[str, Any], what: str) -> Block:
         if raw_len < 4 * T + vb + mb:
             raise RouteCorruptError(f"{what}: body size {raw_len} too small for its change bits")
         mask = np.frombuffer(mv[4 * T + vb : 4 * T + vb + mb], dtype=np.uint8)
-        n_values = int(_POP[mask].sum())
+        pop = _POP[mask]
+        n_values = int(pop.sum())
         n_rows = mb + n_values * dtype.itemsize
     else:
         n_rows = n * dtype.itemsize
@@ -482,7 +476,7 @@ def decode_body(p: dict[str, Any], what: str) -> Block:
         if n % 8 and mask[-1] & ((1 << (8 - n % 8)) - 1):
             raise RouteCorruptError(f"{what}: change bits set past the last row")
         values = _join_planes(mv[4 * T + vb + mask.size :], (n_values,), dtype)
-        lm = _keep_join(mask, values, (M, T, K)) if n else np.empty((M, T, K), dtype)
+        lm = _keep_join(mask, pop, values, (M, T, K)) if n else np.empty((M, T, K), dtype)
     else:
         lm = _join_planes(mv[4 * T + vb :], (M, T, K), dtype)
     if xf == XF_DELTA:

@@ -63,9 +63,14 @@ def route_stats(records: list, E: int, K: int) -> dict[str, float]:
     zc = zstandard.ZstdCompressor(level=1)
     for m in range(M):
         ids = np.concatenate([x[:, m].reshape(-1) for x in rows]).astype(np.int64)
-        h0 += _h(np.bincount(ids, minlength=E))
+        h_layer = _h(np.bincount(ids, minlength=E))
+        h0 += h_layer
+        # Each stream's first token always carries a new id (keep model); it is coded at the
+        # layer's order-0 share in the conditional model.
+        first = [x[:1, m].reshape(-1).astype(np.int64) for x in rows]
+        n_first = sum(f.size for f in first)
         changed_n = unchanged_n = 0
-        new_ids = []
+        new_ids = list(first)
         joint = np.zeros((E, E), np.int64)
         for x in rows:
             if len(x) < 2:
@@ -76,16 +81,13 @@ def route_stats(records: list, E: int, K: int) -> dict[str, float]:
             unchanged_n += int((~ch).sum())
             new_ids.append(b[ch])
             np.add.at(joint, (a.reshape(-1), b.reshape(-1)), 1)
-            new_ids.append(x[:1, m].reshape(-1).astype(np.int64))  # first token: always new
-        n_new = sum(len(v) for v in new_ids)
-        flags = np.array([changed_n + sum(len(x[:1, m].reshape(-1)) for x in rows), unchanged_n])
-        hkeep += _h(flags) + (_h(np.bincount(np.concatenate(new_ids), minlength=E)) if n_new else 0)
-        # H(b | a) = H(a, b) - H(a), over the pairs; the first token's ids at their H0 share.
-        pairs = joint.sum()
-        if pairs:
+        flags = np.array([changed_n + n_first, unchanged_n])
+        new = np.concatenate(new_ids)
+        hkeep += _h(flags) + (_h(np.bincount(new, minlength=E)) if new.size else 0.0)
+        # H(b | a) = H(a, b) - H(a), over the pairs of consecutive tokens.
+        if joint.any():
             hcond += _h(joint.reshape(-1)) - _h(joint.sum(axis=1))
-        n_first = sum(x[:1, m].size for x in rows)
-        hcond += n_first * _h(np.bincount(ids, minlength=E)) / max(1, ids.size)
+        hcond += n_first * h_layer / max(1, ids.size)
     for r in records:
         # Token ids zeroed: they then cost a few bytes, so the blob is (almost) all route bytes,
         # framing included; subtracting 4 B/token would undercount compressed token ids.
