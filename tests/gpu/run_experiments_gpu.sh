@@ -12,23 +12,9 @@ DEV=${DEV:-cuda}
 PY=${PY:-python3}
 OUT=${OUT:-/tmp/rr-out}
 mkdir -p "$OUT"
-if [ -z "${SKIP_INSTALL:-}" ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .device/wheels/*.whl || exit 1
-fi
-# routereplay is not installed there: lay the package out (the client without its network
-# modules, which need redis and httpx; records come from the rollouts file).
-rm -rf /tmp/rr && mkdir -p /tmp/rr/routereplay/client
-cp routereplay/*.py /tmp/rr/routereplay/
-cp -r routereplay/experiments /tmp/rr/routereplay/experiments
-cp client/_errors.py client/_record.py client/_codec.py /tmp/rr/routereplay/client/
-cat > /tmp/rr/routereplay/client/__init__.py <<'PY'
-"""routereplay.client (the GPU subset: records and their codec)."""
-from ._codec import decode_record, encode_record  # noqa: F401
-from ._errors import *  # noqa: F403
-from ._record import RouteRecord, WeightSpan, expert_dtype  # noqa: F401
-PY
-cp -r trainer_adapter /tmp/rr/routereplay/trainer_adapter
+. tests/gpu/_common.sh
+install_wheels .device/wheels || exit 1
+stage_package
 export PYTHONPATH=/tmp/rr:/tmp/site
 $PY -c 'import torch, megatron.core as m; print("torch", torch.__version__, "cuda",
   torch.cuda.is_available(), "megatron-core", m.__version__)'

@@ -9,19 +9,9 @@ rm -rf "$LOGS" && mkdir -p "$LOGS"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 DEV=${DEV:-cuda}  # DEV=cpu SKIP_INSTALL=1 rehearses this script on a CPU machine
-if [ -z "${SKIP_INSTALL:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-fi
-# routereplay is not installed there: lay out the package (client minus its network modules,
-# which need redis/httpx; the check round-trips records through the codec instead of Redis).
-rm -rf /tmp/rr && mkdir -p /tmp/rr/routereplay/client
-cp routereplay/*.py /tmp/rr/routereplay/
-cp client/_errors.py client/_record.py client/_codec.py /tmp/rr/routereplay/client/
-printf '%s\n' '"""routereplay.client (GPU check subset: no Redis or HTTP modules)."""' \
-  'from ._errors import *  # noqa: F403' 'from ._record import RouteRecord, WeightSpan, expert_dtype' \
-  'from ._codec import decode_record, encode_record' > /tmp/rr/routereplay/client/__init__.py
-cp -r trainer_adapter /tmp/rr/routereplay/trainer_adapter
+. tests/gpu/_common.sh
+install_wheels .whl || exit 1
+stage_package
 export PYTHONPATH=/tmp/rr:/tmp/site
 (cd /tmp && python3 -c 'import torch, megatron.core as m, routereplay.client as c; print("torch",
   torch.__version__, "gpus", torch.cuda.device_count(), "megatron-core", m.__version__, c.__file__)')
@@ -32,22 +22,7 @@ finish() {
   [ -n "${OUT:-}" ] && tar czf "$OUT/gpu-logs.tgz" -C /tmp rr-gpu-logs
   exit $fail
 }
-run() {  # name nproc args...   (ONLY=regex runs a subset)
-  local name=$1 n=$2; shift 2
-  [[ -z "${ONLY:-}" || "$name" =~ $ONLY ]] || return 0
-  local t0=$(date +%s.%N)
-  if [ "$n" = 1 ]; then
-    python3 tests/gpu/replay_check.py --device $DEV "$@" >"$LOGS/$name.log" 2>&1
-  else
-    python3 -m torch.distributed.run --nproc-per-node "$n" tests/gpu/replay_check.py \
-      --device $DEV "$@" >"$LOGS/$name.log" 2>&1
-  fi
-  local rc=$?
-  [ $rc = 0 ] || fail=1
-  printf '%-28s rc=%s %5.1fs  %s\n' "$name" "$rc" "$(awk "BEGIN{print $(date +%s.%N) - $t0}")" "$*"
-  python3 tests/gpu/summarize.py <"$LOGS/$name.log"
-  [ $rc = 0 ] || tail -n 25 "$LOGS/$name.log"
-}
+run() { run_check "$@"; }  # name nproc args...   (ONLY=regex runs a subset)
 run gpu1_thd_full_extras     1 --recompute full --extras
 run gpu1_thd_selective       1 --recompute selective
 run gpu1_padded_left         1 --layout padded-left

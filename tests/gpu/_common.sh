@@ -1,0 +1,47 @@
+# Sourced by the tests/gpu/run_*.sh scripts, from the repository root. What every GPU run needs
+# on a device machine where routereplay is not installed and nothing can be downloaded.
+
+# install_wheels DIR: the carried wheels into /tmp/site (skipped with SKIP_INSTALL=1, for a
+# rehearsal on a machine that has them installed).
+install_wheels() {
+  [ -n "${SKIP_INSTALL:-}" ] && return 0
+  ${PY:-python3} -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$1"/*.whl
+}
+
+# stage_package: lay out routereplay under /tmp/rr: the client without its network modules
+# (they need redis and httpx; the checks round-trip records through the codec instead), the
+# trainer adapter and the experiments.
+stage_package() {
+  rm -rf /tmp/rr && mkdir -p /tmp/rr/routereplay/client
+  cp routereplay/*.py /tmp/rr/routereplay/
+  cp -r routereplay/experiments /tmp/rr/routereplay/experiments
+  cp client/_errors.py client/_record.py client/_codec.py /tmp/rr/routereplay/client/
+  cat > /tmp/rr/routereplay/client/__init__.py <<'PY'
+"""routereplay.client (the GPU subset: records and their codec)."""
+from ._codec import decode_record, encode_record  # noqa: F401
+from ._errors import *  # noqa: F403
+from ._record import RouteRecord, WeightSpan, expert_dtype  # noqa: F401
+PY
+  cp -r trainer_adapter /tmp/rr/routereplay/trainer_adapter
+}
+
+# run_check NAME NPROC ARGS...: one tests/gpu/replay_check.py configuration on $DEV, its log in
+# $LOGS/NAME.log, a line and the summary printed; sets fail=1 when it fails. ONLY=regex runs a
+# subset. PYTHONPATH is the caller's.
+run_check() {
+  local name=$1 n=$2; shift 2
+  [[ -z "${ONLY:-}" || "$name" =~ $ONLY ]] || return 0
+  local t0; t0=$(date +%s.%N)
+  if [ "$n" = 1 ]; then
+    python3 tests/gpu/replay_check.py --device "$DEV" "$@" >"$LOGS/$name.log" 2>&1
+  else
+    python3 -m torch.distributed.run --nproc-per-node "$n" tests/gpu/replay_check.py \
+      --device "$DEV" "$@" >"$LOGS/$name.log" 2>&1
+  fi
+  local rc=$?
+  [ $rc = 0 ] || fail=1
+  printf '%-30s rc=%s %5.1fs  %s\n' "$name" "$rc" "$(awk "BEGIN{print $(date +%s.%N) - $t0}")" "$*"
+  python3 tests/gpu/summarize.py <"$LOGS/$name.log"
+  [ $rc = 0 ] || tail -n 25 "$LOGS/$name.log"
+}
