@@ -318,15 +318,29 @@ def _layer_cost(a: np.ndarray, per_layer: bool) -> float:
     return _cost(a)
 
 
+def _value_bounds(changed: np.ndarray) -> list[int]:
+    """Where each layer's ids start in the ``keep`` values (after layer 0)."""
+    return np.cumsum(changed.reshape(changed.shape[0], -1).sum(axis=1))[:-1].tolist()
+
+
 def _keep_cost(lm: np.ndarray, per_layer: bool) -> float:
     changed, values = _keep_split(lm)
     p = float(changed.mean())
     bits = 0.0 if p in (0.0, 1.0) else -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
     if per_layer:
-        counts = changed.reshape(changed.shape[0], -1).sum(axis=1)
-        parts = np.split(values, np.cumsum(counts)[:-1])
+        parts = np.split(values, _value_bounds(changed))
         return bits * changed.size + sum(_cost(v) for v in parts if v.size)
     return bits * changed.size + _cost(values)
+
+
+# Row transforms that map layer-major rows to rows of the same shape (``keep`` does not).
+_ROWS = {XF_PLAIN: lambda a: a, XF_DELTA: _delta, XF_GAPS: _gaps}
+
+
+def _transform_cost(xf: int, lm: np.ndarray, per_layer: bool) -> float:
+    if xf == XF_KEEP:
+        return _keep_cost(lm, per_layer)
+    return _layer_cost(_ROWS[xf](lm), per_layer)
 
 
 def _plane_segments(a: np.ndarray, per_layer: bool, bounds: list[int]) -> list[bytes]:
@@ -350,8 +364,6 @@ def _plane_segments(a: np.ndarray, per_layer: bool, bounds: list[int]) -> list[b
 def _compress(segments: list[bytes]) -> bytes:
     """One zstd frame; each segment starts a new block (its own Huffman table). Token ids and
     rows apart save ~1% on a 128-row store chunk: one table for both codes neither well."""
-    if len(segments) < 2:
-        return _zc().compress(b"".join(segments))
     co = _zc().compressobj(size=sum(len(x) for x in segments))
     out = []
     for seg in segments:
@@ -384,19 +396,18 @@ def encode_body(
     per_layer = M > 1 and T * K >= _LAYER_BLOCK_MIN
     # Candidate row transforms, chosen by an order-0 entropy estimate on a sample (a good proxy
     # for zstd's Huffman stage, which is what codes near-random symbols).
-    costs: dict[int, Any] = {XF_PLAIN: lambda a: _layer_cost(a, per_layer)}
+    candidates = [XF_PLAIN]
     if T > 1:
-        costs[XF_DELTA] = lambda a: _layer_cost(_delta(a), per_layer)  # slots kept in place
-        costs[XF_KEEP] = lambda a: _keep_cost(a, per_layer)  # kept slots + skewed new ids
+        candidates += [XF_DELTA, XF_KEEP]  # slots kept in place; kept slots + skewed new ids
     if canonical_order:
-        costs[XF_GAPS] = lambda a: _layer_cost(_gaps(a), per_layer)  # sorted, no locality
+        candidates.append(XF_GAPS)  # sorted rows without locality
     if transform is not None:
-        if transform not in costs:
+        if transform not in candidates:
             raise ValueError(f"row transform {transform} does not apply to this block")
         xf = transform
-    elif experts_lm.size and len(costs) > 1:
+    elif experts_lm.size and len(candidates) > 1:
         sample = _sample_tokens(experts_lm)
-        est = {x: f(sample) for x, f in costs.items()}
+        est = {x: _transform_cost(x, sample, per_layer) for x in candidates}
         xf = min(est, key=est.__getitem__)
         # Plain decodes fastest (zstd alone); a transform must save >= 1% to be worth its
         # decode pass. On uniform routes every estimate is within sampling noise of plain.
@@ -408,11 +419,10 @@ def encode_body(
     head = tok + np.packbits(valid).tobytes()
     if xf == XF_KEEP:
         changed, values = _keep_split(experts_lm)
-        bounds = np.cumsum(changed.reshape(M, -1).sum(axis=1))[:-1].tolist()
         segments = [head, np.packbits(changed.reshape(-1)).tobytes()]
-        segments += _plane_segments(values, per_layer, bounds)
+        segments += _plane_segments(values, per_layer, _value_bounds(changed))
     else:
-        rows = {XF_PLAIN: lambda a: a, XF_DELTA: _delta, XF_GAPS: _gaps}[xf](experts_lm)
+        rows = _ROWS[xf](experts_lm)
         bounds = [T * K * m for m in range(1, M)]
         segments = [head, *_plane_segments(np.ascontiguousarray(rows), per_layer, bounds)]
     return {

@@ -9,10 +9,10 @@ Keys (``P`` is the store prefix, ``{...}`` a Redis Cluster hash tag):
 
 A chunk hash is ``blake3(chain_i | valid bits | rows)`` (``blake2b`` before format 2) where
 ``chain_i`` chains the token ids of blocks ``0..i`` from a seed naming the model shape. Two
-records that share a token prefix and
-its routes (the n samples of a GRPO group; earlier turns of a multi-turn trajectory) therefore
-share those chunks: written once with ``SET NX``, read once per batch. Blocks align at position 0,
-so a shared prefix of length ``p`` shares ``p // block_size`` chunks.
+records that share a token prefix and its routes (the n samples of a GRPO group; earlier turns
+of a multi-turn trajectory) therefore share those chunks: written once with ``SET NX``, read once
+per batch. Blocks align at position 0, so a shared prefix of length ``p`` shares
+``p // block_size`` chunks.
 
 The sync and async stores (``_store.py``) only move the bytes this module plans and parses.
 """
