@@ -68,7 +68,6 @@ class Prefetcher(Generic[S, T]):
         # Ready items waiting for the consumer; the worker blocks when it is full.
         self._ready: queue.Queue[object] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._step = 0
         self._finished = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -115,7 +114,6 @@ class Prefetcher(Generic[S, T]):
             self._finished = True
             item.error.add_note(f"(while preparing replay targets for step {item.step})")
             raise item.error
-        self._step += 1
         return item  # type: ignore[return-value]
 
     def close(self) -> None:
