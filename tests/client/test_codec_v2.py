@@ -190,3 +190,18 @@ def test_a_flipped_byte_inside_a_version_1_body_is_caught() -> None:
     blob[40] ^= 0xFF
     with pytest.raises(RouteCorruptError, match="checksum"):
         decode_record(bytes(blob))
+
+
+def test_a_chunk_naming_an_unknown_address_hash_is_corrupt() -> None:
+    from routereplay.client._layout import KeySchema, decode_chunk, plan_put
+
+    plan = plan_put(KeySchema("t"), "r", make_records()["repeat-u8"], 128)
+    digest = parse_manifest("r", plan.manifest_blob).digests[0]
+    payload = C.unframe(plan.chunk_blob(0), C.KIND_CHUNK, "c")
+    for ha in (3, "blake3", None):
+        forged = C.frame(C.KIND_CHUNK, {**payload, "ha": ha})
+        with pytest.raises(RouteCorruptError, match="address hash"):
+            decode_chunk(digest, forged)
+    # Claiming the older hash for a blake3-addressed chunk fails its address check.
+    with pytest.raises(RouteCorruptError, match="does not match its address"):
+        decode_chunk(digest, C.frame(C.KIND_CHUNK, {**payload, "ha": 1}))
