@@ -5,7 +5,7 @@ trainer import it.
 """
 
 from ._batch import BATCH_MEDIA_TYPE, RawBatch
-from ._codec import FORMAT_VERSION, MEDIA_TYPE, decode_record, encode_record
+from ._codec import FORMAT_VERSION, MEDIA_TYPE, codec_kernel, decode_record, encode_record
 from ._errors import (
     RouteConnectionError,
     RouteCorruptError,
@@ -50,6 +50,7 @@ __all__ = [
     "RouteVersionError",
     "RoutesClient",
     "WeightSpan",
+    "codec_kernel",
     "decode_record",
     "encode_record",
     "expert_dtype",

@@ -53,9 +53,15 @@ from ._errors import (
 )
 from ._record import RouteRecord, expert_dtype
 
+try:  # compiled inner loops (client/_ckernel.c); optional, the numpy paths give the same bytes
+    from . import _ckernel as _KERNEL
+except ImportError:  # built without a C compiler, or a source tree that was never built
+    _KERNEL = None
+
 __all__ = [
     "FORMAT_VERSION",
     "MEDIA_TYPE",
+    "codec_kernel",
     "decode_record",
     "encode_record",
 ]
@@ -92,6 +98,13 @@ _LAYER_BLOCK_MIN = 8192
 
 
 _tls = threading.local()
+
+
+def codec_kernel() -> str:
+    """Which inner loops this process decodes with: ``"compiled"`` (the package's C extension)
+    or ``"numpy"`` (the fallback where it was not built; same bytes, ``keep`` decodes ~3x
+    slower)."""
+    return "numpy" if _KERNEL is None else "compiled"
 
 
 def _zc() -> zstandard.ZstdCompressor:
@@ -486,7 +499,16 @@ def decode_body(p: dict[str, Any], what: str) -> Block:
         if n % 8 and mask[-1] & ((1 << (8 - n % 8)) - 1):
             raise RouteCorruptError(f"{what}: change bits set past the last row")
         values = _join_planes(mv[4 * T + vb + mask.size :], (n_values,), dtype)
-        lm = _keep_join(mask, pop, values, (M, T, K)) if n else np.empty((M, T, K), dtype)
+        if not n:
+            lm = np.empty((M, T, K), dtype)
+        elif _KERNEL is not None:
+            lm = np.empty((M, T, K), dtype)
+            try:
+                _KERNEL.keep_join(mask, values, lm, M, T, K, dtype.itemsize)
+            except ValueError as exc:  # the checks above make this unreachable; kept as a guard
+                raise RouteCorruptError(f"{what}: {exc}") from exc
+        else:
+            lm = _keep_join(mask, pop, values, (M, T, K))
     else:
         lm = _join_planes(mv[4 * T + vb :], (M, T, K), dtype)
     if xf == XF_DELTA:

@@ -3,8 +3,10 @@ format-1 blobs (written by commit de1d71c) still read exactly."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from unittest import mock
 
 import msgpack
 import numpy as np
@@ -32,11 +34,48 @@ def _round_trip(lm: np.ndarray, E: int, xf: int, canonical: bool = False) -> dic
     p = C.encode_body(tok, lm, valid, E, transform=xf, canonical_order=canonical, presorted=True)
     # Through msgpack, as stored.
     p = msgpack.unpackb(msgpack.packb(p, use_bin_type=True), raw=False)
-    blk = C.decode_body(p, "test")
     assert p["xf"] == xf
-    assert blk.experts.dtype == lm.dtype and np.array_equal(blk.experts, lm)
-    assert np.array_equal(blk.token_ids, tok) and np.array_equal(blk.valid, valid)
+    for kernel in _kernels():  # the compiled loops and their numpy equivalents, same bytes
+        with kernel:
+            blk = C.decode_body(p, "test")
+        assert blk.experts.dtype == lm.dtype and np.array_equal(blk.experts, lm)
+        assert np.array_equal(blk.token_ids, tok) and np.array_equal(blk.valid, valid)
     return p
+
+
+def _kernels() -> list[contextlib.AbstractContextManager]:
+    """Contexts that decode with the compiled kernel and with the numpy fallback."""
+    return [contextlib.nullcontext(), mock.patch.object(C, "_KERNEL", None)]
+
+
+def test_the_compiled_kernel_is_built_in_this_install() -> None:
+    # setup.sh builds it (the extension is optional only for hosts without a C compiler); a
+    # silent fallback would leave every other kernel test comparing numpy with itself.
+    assert C.codec_kernel() == "compiled"
+    with mock.patch.object(C, "_KERNEL", None):
+        assert C.codec_kernel() == "numpy"
+
+
+def test_the_kernel_refuses_inputs_that_do_not_add_up() -> None:
+    M, T, K = 1, 4, 2
+    out = np.empty((M, T, K), np.uint8)
+    join = C._KERNEL.keep_join
+    join(bytes([0b1000_1000]), bytes([3, 5]), out, M, T, K, 1)
+    assert out[0].tolist() == [[3, 5]] * 4
+    with pytest.raises(ValueError, match="first id"):
+        join(bytes([0b0100_1000]), bytes([3, 5]), out, M, T, K, 1)
+    with pytest.raises(ValueError, match="count the ids"):
+        join(bytes([0b1000_1000]), bytes([3]), out, M, T, K, 1)
+    with pytest.raises(ValueError, match="count the ids"):
+        join(bytes([0b1100_1000]), bytes([3, 5]), out, M, T, K, 1)
+    with pytest.raises(ValueError, match="buffer sizes"):
+        join(bytes([0b1000_1000, 0]), bytes([3, 5]), out, M, T, K, 1)
+    with pytest.raises(ValueError, match="buffer sizes"):
+        join(bytes([0b1000_1000]), bytes([3, 5]), np.empty((M, T, K), np.uint16), M, T, K, 1)
+    with pytest.raises(ValueError, match="bad shape"):
+        join(bytes([0b1000_1000]), bytes([3, 5]), out, M, T, K, 4)
+    with pytest.raises(TypeError):  # the output must be writable
+        join(bytes([0b1000_1000]), bytes([3, 5]), bytes(8), M, T, K, 1)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -120,7 +159,12 @@ def _forge_keep(mask: bytes, values: bytes, T: int, M: int, K: int, E: int) -> d
             "body": zstandard.ZstdCompressor().compress(raw)}  # fmt: skip
 
 
-def test_crafted_keep_bodies_are_corrupt_errors() -> None:
+@pytest.mark.parametrize("kernel", ["compiled", "numpy"])
+def test_crafted_keep_bodies_are_corrupt_errors(kernel: str) -> None:
+    if kernel == "numpy":
+        with mock.patch.object(C, "_KERNEL", None):
+            test_crafted_keep_bodies_are_corrupt_errors("compiled")
+        return
     T, M, K, E = 4, 1, 2, 16  # streams of 4 tokens: bits 0-3 slot 0, bits 4-7 slot 1
     ok = _forge_keep(bytes([0b1000_1000]), bytes([3, 5]), T, M, K, E)
     assert C.decode_body(ok, "x").experts[0].tolist() == [[3, 5]] * 4
