@@ -321,6 +321,7 @@ class Block:
     canonical: bool
     prev_chain: bytes | None = None
     address_hash: int = 1  # which hash addresses the chunk: 1 blake2b-128, 2 blake3-128
+    chain: bytes | None = None  # the token chain after its rows, once its address was checked
 
 
 def _layer_cost(a: np.ndarray, per_layer: bool) -> float:

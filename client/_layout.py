@@ -22,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -330,6 +331,8 @@ def decode_chunk(digest: bytes, blob: bytes) -> Block:
                 f"{what}: content does not match its address (a chunk stored under another "
                 "chunk's key, or altered bytes)"
             )
+        # Kept: each record using this chunk continues its chain from it (no second hash).
+        block = dataclasses.replace(block, chain=chain)
     return block
 
 
@@ -344,7 +347,7 @@ def _check_chunk(m: Manifest, index: int, block: Block, prev: bytes | None) -> b
     if block.prev_chain is not None:
         if prev is not None and block.prev_chain != prev:
             raise RouteCorruptError(f"{what}: does not continue the record's token chain")
-        return _next_chain(block.prev_chain, block.token_ids)
+        return block.chain or _next_chain(block.prev_chain, block.token_ids)
     if prev is None:
         return None
     chain = _next_chain(prev, block.token_ids)
@@ -356,21 +359,27 @@ def _check_chunk(m: Manifest, index: int, block: Block, prev: bytes | None) -> b
 def assemble(m: Manifest, blocks: Mapping[bytes, Block], start: int = 0) -> RouteRecord:
     """Join decoded chunks into the record's rows ``start..T``, checking each one belongs."""
     n = m.T - start
-    lm = np.empty((m.M, n, m.K), dtype=expert_dtype(m.E))
-    tok = np.empty(n, dtype=np.int64)
-    valid = np.empty(n, dtype=bool)
     bs = m.block_size
     needed = m.needed(start)
     prev = m.seed() if needed and needed[0] == 0 else None
+    parts: list[Block] = []
     for i in needed:
         blk = blocks[m.digests[i]]
         prev = _check_chunk(m, i, blk, prev)
-        a = i * bs
-        lo = max(start - a, 0)
-        dst = slice(a + lo - start, a + blk.token_ids.shape[0] - start)
-        lm[:, dst, :] = blk.experts[:, lo:, :]
-        tok[dst] = blk.token_ids[lo:]
-        valid[dst] = blk.valid[lo:]
+        parts.append(blk)
+    # One concatenate per array rather than a slice assignment per chunk: a step's records
+    # hold thousands of chunks, and the per-assignment overhead was most of the cost.
+    lo = max(start - needed[0] * bs, 0) if needed else 0
+    dt = expert_dtype(m.E)
+    if parts:
+        lm = np.concatenate([parts[0].experts[:, lo:], *(b.experts for b in parts[1:])], axis=1)
+        tok = np.concatenate([parts[0].token_ids[lo:], *(b.token_ids for b in parts[1:])])
+        valid = np.concatenate([parts[0].valid[lo:], *(b.valid for b in parts[1:])])
+    else:
+        lm, tok, valid = np.empty((m.M, 0, m.K), dt), np.empty(0, np.int64), np.empty(0, bool)
+    lm = lm.astype(dt, copy=False)
+    if lm.shape[1] != n:  # _check_chunk checked every chunk's rows; this is the sum of them
+        raise RouteCorruptError(f"route {m.route_id!r}: chunks hold {lm.shape[1]} rows, not {n}")
     p = dict(m.fields)
     pl = min(max(int(p["pl"]) - start, 0), n)
     p["pl"] = pl
@@ -422,28 +431,94 @@ def plan_read(
     return plan
 
 
-def finish_read(plan: ReadPlan, chunk_blobs: Mapping[bytes, bytes | None]) -> list[ReadResult]:
+def _decode_chunks(items: Sequence[tuple[bytes, bytes | None]]) -> list[Block | RouteError | None]:
+    out: list[Block | RouteError | None] = []
+    for d, blob in items:
+        try:
+            out.append(None if blob is None else decode_chunk(d, blob))
+        except RouteError as e:
+            out.append(e)
+    return out
+
+
+def _split(items: list[Any], parts: int) -> list[list[Any]]:
+    k = -(-len(items) // max(1, parts))
+    return [items[i : i + k] for i in range(0, len(items), k)] if items else []
+
+
+class ChunkDecoder(Mapping[bytes, "Block | RouteError | None"]):
+    """Decodes chunks (checked against their addresses) as their bytes arrive; a mapping from
+    digest to the decoded :class:`Block`, the chunk's error, or None (no bytes).
+
+    With a thread pool each batch is split among its workers: zstd, the compiled ``keep`` loop,
+    blake3 and numpy's copies release the GIL, so chunks decode in parallel while the caller
+    waits on Redis for the next batch, and looking a chunk up waits only for the part holding
+    it, so records assemble while later chunks still decode. Without a pool, chunks decode on
+    the caller's thread as they are added.
+    """
+
+    def __init__(self, pool: Executor | None = None, parts: int = 1) -> None:
+        self.pool = pool
+        self.parts = parts
+        self._done: dict[bytes, Block | RouteError | None] = {}
+        self._pending: dict[bytes, Future[list[Block | RouteError | None]]] = {}
+        self._members: dict[Future[list[Block | RouteError | None]], list[bytes]] = {}
+
+    def add(self, digests: Sequence[bytes], blobs: Sequence[bytes | None]) -> None:
+        items = list(zip(digests, blobs, strict=True))
+        if self.pool is None or len(items) < 2:
+            self._done.update(zip(digests, _decode_chunks(items), strict=True))
+            return
+        for part in _split(items, self.parts):
+            fut = self.pool.submit(_decode_chunks, part)
+            self._members[fut] = [d for d, _ in part]
+            self._pending.update((d, fut) for d, _ in part)
+
+    def __getitem__(self, digest: bytes) -> Block | RouteError | None:
+        if digest not in self._done:
+            fut = self._pending[digest]  # KeyError: a chunk never added
+            self._done.update(zip(self._members.pop(fut), fut.result(), strict=True))
+        return self._done[digest]
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self._done
+        yield from (d for d in self._pending if d not in self._done)
+
+    def __len__(self) -> int:
+        return len(self._done) + sum(1 for d in self._pending if d not in self._done)
+
+
+def finish_read(
+    plan: ReadPlan,
+    chunk_blobs: Mapping[bytes, bytes | None],
+    pool: Executor | None = None,
+    parts: int = 1,
+) -> list[ReadResult]:
     """The records of ``plan`` from their chunks' bytes (digest -> bytes, None: gone).
 
     Each distinct chunk is decoded and checked against its address once. A result is the record,
     None (no manifest), or the error that id alone hit: :class:`RouteEvictedError` (a chunk is
     gone), :class:`RouteCorruptError` (bytes fail a check), :class:`RouteShapeError` (``start``
-    out of range). One bad record never fails the others.
+    out of range). One bad record never fails the others. ``pool`` decodes the chunks in
+    ``parts`` tasks.
     """
+    dec = ChunkDecoder(pool, parts)
+    digests = plan.digests()
+    dec.add(digests, [chunk_blobs.get(d) for d in digests])
+    return assemble_read(plan, dec)
+
+
+def assemble_read(
+    plan: ReadPlan, decoded: Mapping[bytes, Block | RouteError | None]
+) -> list[ReadResult]:
+    """The results of ``plan`` from its decoded chunks (see :func:`finish_read`), record by
+    record in order: with a :class:`ChunkDecoder`, each waits only for its own chunks. (On the
+    caller's thread: assembling on the pool as well was measured slower, its copies contend
+    with the decoding for memory bandwidth and the GIL.)"""
     out = list(plan.results)
-    # Decoded on this thread: zstandard's one-shot decompress and blake3 keep the GIL for
-    # chunk-sized inputs, so a thread pool was measured no faster (bench trainer, 2 cores).
-    decoded: dict[bytes, Block | RouteError | None] = {}
-    for d in plan.digests():
-        blob = chunk_blobs.get(d)
-        try:
-            decoded[d] = None if blob is None else decode_chunk(d, blob)
-        except RouteError as e:
-            decoded[d] = e
     for idx, m, needed in plan.manifests:
-        problems = [
-            decoded[m.digests[i]] for i in needed if not isinstance(decoded[m.digests[i]], Block)
-        ]
+        got = [decoded[m.digests[i]] for i in needed]
+        problems = [b for b in got if not isinstance(b, Block)]
         if any(p is None for p in problems):
             out[idx] = RouteEvictedError(
                 f"route {m.route_id!r}: a chunk named by its manifest is missing (expired or "

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import threading
 from collections.abc import Generator, Iterator, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Self
 
 import redis
@@ -31,11 +34,12 @@ from ._errors import (
 from ._layout import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_TTL_S,
+    ChunkDecoder,
     KeySchema,
     PutPlan,
     PutResult,
     apply_fill,
-    finish_read,
+    assemble_read,
     plan_fill,
     plan_put,
     plan_read,
@@ -49,6 +53,19 @@ _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 # Records above this many raw bytes are encoded/decoded in a worker thread by AsyncRouteStore,
 # so a long completion does not stall the event loop that serves other requests.
 _OFFLOAD_BYTES = 256 * 1024
+# Chunks per GET round trip of a read: while one batch's replies arrive, the decode threads
+# work on the previous ones (~5 MB of replies per batch at a Qwen3-235B-like shape).
+_GET_BATCH = 256
+
+
+def default_decode_threads() -> int:
+    """Decode threads a store uses unless told: the CPUs this process may run on, up to 4
+    (a trainer host runs one reader per GPU)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        n = os.cpu_count() or 1
+    return max(1, min(4, n))
 
 
 def _split_url(url: str, cluster: bool | None) -> tuple[str, bool]:
@@ -138,13 +155,17 @@ def _put(plan: PutPlan, ttl: int) -> Op:
     )
 
 
-def _get_many(keys: KeySchema, ids: list[str], start: int) -> Op:
-    """One result per id (record, None, or that id's error); each shared chunk read once."""
+def _get_many(keys: KeySchema, ids: list[str], start: int, pool: Executor | None, parts: int) -> Op:
+    """One result per id (record, None, or that id's error); each shared chunk read once, in
+    batches that decode (on ``pool``) while the next batch is read."""
     blobs = yield [_cmd("get", keys.manifest(rid)) for rid in ids]
     plan = plan_read(ids, blobs, start)
     digests = plan.digests()
-    chunks = (yield [_cmd("get", keys.chunk(d)) for d in digests]) if digests else []
-    return finish_read(plan, dict(zip(digests, chunks, strict=True)))
+    dec = ChunkDecoder(pool, parts)
+    for i in range(0, len(digests), _GET_BATCH):
+        batch = digests[i : i + _GET_BATCH]
+        dec.add(batch, (yield [_cmd("get", keys.chunk(d)) for d in batch]))
+    return assemble_read(plan, dec)
 
 
 def _raw_batch(keys: KeySchema, ids: list[str], start: int, max_bytes: int) -> Op:
@@ -197,17 +218,45 @@ class _Common:
         prefix: str = "rr",
         ttl_s: int = DEFAULT_TTL_S,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        decode_threads: int | None = None,
         where: str = "",
     ) -> None:
+        """``decode_threads``: threads that decode a read's chunks (default
+        :func:`default_decode_threads`; 1 decodes on the calling thread)."""
         if ttl_s < 1:
             raise ValueError(f"ttl_s must be >= 1, got {ttl_s}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if decode_threads is not None and decode_threads < 1:
+            raise ValueError(f"decode_threads must be >= 1, got {decode_threads}")
         self.redis = client
         self.keys = KeySchema(prefix)
         self.ttl_s = ttl_s
         self.block_size = block_size
+        self.decode_threads = decode_threads or default_decode_threads()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = 0
+        self._pool_lock = threading.Lock()
         self._where = where or repr(client)
+
+    def _decode_pool(self) -> ThreadPoolExecutor | None:
+        if self.decode_threads < 2:
+            return None
+        with self._pool_lock:  # created on first read: a writer never starts these threads
+            # A forked child (a DataLoader worker, say) inherits the pool object but none of its
+            # threads: work submitted there would never run, so the child makes its own.
+            if self._pool is None or self._pool_pid != os.getpid():
+                self._pool = ThreadPoolExecutor(
+                    self.decode_threads, thread_name_prefix="routereplay-decode"
+                )
+                self._pool_pid = os.getpid()
+            return self._pool
+
+    def _close_pool(self) -> None:
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)
 
     # (standalone client class, cluster client class): redis-py's sync or asyncio ones.
     _clients: tuple[type, type]
@@ -243,6 +292,7 @@ class _Common:
         ttl_s: int = DEFAULT_TTL_S,
         block_size: int = DEFAULT_BLOCK_SIZE,
         cluster: bool | None = None,
+        decode_threads: int | None = None,
         **redis_kwargs: Any,
     ) -> Self:
         """``redis://`` / ``rediss://``; ``redis+cluster://`` or ``cluster=True`` for a cluster.
@@ -253,7 +303,10 @@ class _Common:
         client = cls._clients[is_cluster].from_url(
             url, **{**cls._connection_defaults(), **redis_kwargs}
         )
-        return cls(client, prefix=prefix, ttl_s=ttl_s, block_size=block_size, where=url)
+        return cls(
+            client, prefix=prefix, ttl_s=ttl_s, block_size=block_size,
+            decode_threads=decode_threads, where=url,
+        )  # fmt: skip
 
     def _pipe(self, batch: list[Command]) -> Any:
         # RedisCluster pipelines are never transactional and take no such argument.
@@ -276,7 +329,9 @@ class _Common:
         return _put(plan, self.ttl_s if ttl_s is None else ttl_s)
 
     def _get_op(self, route_ids: Sequence[str], start: int) -> Op:
-        return _get_many(self.keys, [validate_route_id(r) for r in route_ids], start)
+        ids = [validate_route_id(r) for r in route_ids]
+        # A few tasks per thread per stage: even shares without a task per chunk.
+        return _get_many(self.keys, ids, start, self._decode_pool(), 2 * self.decode_threads)
 
     def _raw_op(self, route_ids: Sequence[str], start: int, max_bytes: int) -> Op:
         return _raw_batch(self.keys, [validate_route_id(r) for r in route_ids], start, max_bytes)
@@ -345,6 +400,7 @@ class RouteStore(_Common):
             self.redis.set(self.keys.probe(), b"1", px=10_000)
 
     def close(self) -> None:
+        self._close_pool()
         self.redis.close()
 
     def __enter__(self) -> RouteStore:
@@ -481,6 +537,7 @@ class AsyncRouteStore(_Common):
             await self.redis.set(self.keys.probe(), b"1", px=10_000)
 
     async def close(self) -> None:
+        self._close_pool()
         await self.redis.aclose()
 
     async def __aenter__(self) -> AsyncRouteStore:

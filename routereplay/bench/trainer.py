@@ -9,7 +9,9 @@ counted here). Default shape: 48 MoE layers, 128 experts, top-8 (a Qwen3-235B-li
 are fetched once), packed THD.
 
 Throughput is measured in one process with torch and numpy limited to one thread (the redis-server
-runs in its own process). Prints a table; ``--json`` prints one JSON line as well.
+runs in its own process); the store decodes chunks on its default decode threads
+(``RouteStore(decode_threads=...)``, up to 4) and, for comparison, on the calling thread alone.
+Prints a table; ``--json`` prints one JSON line as well.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def run(url: str, args) -> dict:
     import torch
 
     from routereplay.bench.store import vllm_inline
-    from routereplay.client import RouteRecord, RouteStore
+    from routereplay.client import RouteRecord, RouteStore, codec_kernel
     from routereplay.trainer_adapter import gather_targets, sample_from_record, thd_position_map
 
     torch.set_num_threads(1)
@@ -94,7 +96,7 @@ def run(url: str, args) -> dict:
     records, groups = _make_records(rng, args)
     n_tokens = sum(r.num_tokens for r in records)
     ids = [f"bench-{i}" for i in range(len(records))]
-    store = RouteStore.from_url(url, prefix="rrbench")
+    store = RouteStore.from_url(url, prefix="rrbench", decode_threads=args.decode_threads)
     t0 = time.perf_counter()
     for i, r in zip(ids, records, strict=True):
         store.put(i, r)
@@ -127,6 +129,10 @@ def run(url: str, args) -> dict:
         return gather(align(r), r)
 
     e2e_s, _ = _timeit(prepare, args.repeat)
+    # The same preparation with the chunks decoded on the calling thread only.
+    serial_store = RouteStore.from_url(url, prefix="rrbench", decode_threads=1)
+    e2e1_s, t1 = _timeit(lambda: gather(align(r := serial_store.get_many(ids)), r), args.repeat)
+    serial_store.close()
     assert tuple(t.shape) == (args.layers, n_tokens, args.topk), t.shape
     # One rank of TP=2 x SP (half the rows) and of CP=2 (zigzag): the per-rank gather cost.
     pad = (-n_tokens) % 4
@@ -162,6 +168,7 @@ def run(url: str, args) -> dict:
 
     peer_s, t_peer = _timeit(peer, args.repeat)
     assert torch.equal(t_peer, t), "the peer path gathered other targets"
+    assert torch.equal(t1, t), "one decode thread gathered other targets"
 
     # Floor: the same stored bytes read from Redis (both round trips) and copied once.
     def floor():
@@ -180,13 +187,16 @@ def run(url: str, args) -> dict:
         "layers": args.layers,
         "experts": args.experts,
         "top_k": args.topk,
+        "codec_kernel": codec_kernel(),
         "raw_mb": n_tokens * args.layers * args.topk * t.element_size() / 1e6,
         "put_s": put_s,
         "fetch_decode_s": fetch_s,
         "align_check_s": align_s,
         "gather_to_torch_s": gather_s,
+        "decode_threads": store.decode_threads,
         "end_to_end_s": e2e_s,
         "end_to_end_tokens_per_s": n_tokens / e2e_s,
+        "end_to_end_one_thread_s": e2e1_s,
         "tp2_sp_rank_gather_s": sp_s,
         "peer_inline_json_s": peer_s,
         "floor_redis_get_copy_s": floor_s,
@@ -194,6 +204,8 @@ def run(url: str, args) -> dict:
         "peer_inline_mb": sum(len(b) for b in bodies) / 1e6,
         "peer_over_ours": peer_s / e2e_s,
         "ours_over_floor": e2e_s / floor_s,
+        "peer_over_ours_one_thread": peer_s / e2e1_s,
+        "ours_one_thread_over_floor": e2e1_s / floor_s,
         **step,
     }
 
@@ -254,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         help="simulated compute per training step for the prefetch part (0: skip it)",
     )  # fmt: skip
     p.add_argument("--steps", type=int, default=3, help="simulated steps per variant")
+    p.add_argument(
+        "--decode-threads", type=int, default=None,
+        help="the store's decode threads (default: its own, the CPUs up to 4)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -271,11 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.experts} experts, top-{args.topk}; targets {res['raw_mb']:.0f} MB (compact)"
     )
     print(f"  put (setup, not per step)      {res['put_s']:8.3f} s")
+    th = res["decode_threads"]
     for key, label in [
-        ("fetch_decode_s", "fetch + decode (get_many)"),
+        ("fetch_decode_s", f"fetch + decode (get_many, {th} thr)"),
         ("align_check_s", "position map + token check"),
         ("gather_to_torch_s", "gather -> torch (all rows)"),
-        ("end_to_end_s", "END TO END per step"),
+        ("end_to_end_s", f"END TO END per step ({th} thr)"),
+        ("end_to_end_one_thread_s", "end to end, 1 decode thread"),
         ("tp2_sp_rank_gather_s", "gather, one TP2+SP rank"),
     ]:
         s = res[key]
@@ -290,8 +308,11 @@ def main(argv: list[str] | None = None) -> int:
         "tokens/s"
     )
     print(
-        f"  ratios (same run): peer / ours = {res['peer_over_ours']:.2f}x (target >= 3), "
-        f"ours / floor = {res['ours_over_floor']:.2f}x (target <= 2)"
+        f"  ratios (same run), {th} decode threads: peer / ours = {res['peer_over_ours']:.2f}x "
+        f"(target >= 3), ours / floor = {res['ours_over_floor']:.2f}x (target <= 2); one decode "
+        f"thread: {res['peer_over_ours_one_thread']:.2f}x, "
+        f"{res['ours_one_thread_over_floor']:.2f}x  [{os.cpu_count()} CPUs, codec kernel: "
+        f"{res['codec_kernel']}]"
     )
     if "step_s" in res:
         print(

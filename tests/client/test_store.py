@@ -414,3 +414,75 @@ def test_prefix_fill_ignores_a_planted_chunk(closing, redis_url) -> None:
     filled, n = store.fill_from_prefix_index(hole)
     # Block 0's chunk is planted: not trusted. Block 1's is the donor's own: filled.
     assert n == 16 and not filled.valid[:16].any() and filled.valid[16:32].all()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_reads_in_batches_on_decode_threads_give_the_same_results(
+    closing, redis_url: str, monkeypatch, threads: int
+) -> None:
+    """A read spanning several GET batches, decoded on a pool (or inline), gives exactly the
+    records, the evicted one and the corrupt one that a one-batch inline read gives."""
+    from routereplay.client import _store
+    from routereplay.client._layout import parse_manifest
+
+    p = f"par{uuid.uuid4().hex[:6]}"
+    s = closing(RouteStore.from_url(redis_url, prefix=p, block_size=4, decode_threads=threads))
+    assert s.decode_threads == threads
+    prompt = np.arange(20) + 1000
+    recs = [make_record(np.concatenate([prompt, np.arange(30) + 100 * i]), 5) for i in range(9)]
+    ids = [f"r{i}" for i in range(len(recs))]
+    for i, r in zip(ids, recs, strict=True):
+        s.put(i, r)
+    raw = closing(redis.Redis.from_url(redis_url))
+    m3 = parse_manifest("r3", raw.get(s.keys.manifest("r3")))
+    m6 = parse_manifest("r6", raw.get(s.keys.manifest("r6")))
+    raw.delete(s.keys.chunk(m3.digests[-1]))  # r3 loses its last chunk (evicted)
+    m0 = parse_manifest("r0", raw.get(s.keys.manifest("r0")))
+    # r6's last chunk holds r0's (a content-address mismatch)
+    raw.set(s.keys.chunk(m6.digests[-1]), raw.get(s.keys.chunk(m0.digests[-1])), keepttl=True)
+
+    monkeypatch.setattr(_store, "_GET_BATCH", 5)  # 5 chunks per round trip: many batches
+    got = s.get_many(ids, return_exceptions=True, missing_ok=True)
+    got_tail = s.get_many(ids, start=22, return_exceptions=True, missing_ok=True)
+    if threads > 1:
+        assert s._pool is not None  # the pool really ran
+    monkeypatch.setattr(_store, "_GET_BATCH", 1 << 20)
+    ref = closing(RouteStore.from_url(redis_url, prefix=p, block_size=4, decode_threads=1))
+    want = ref.get_many(ids, return_exceptions=True, missing_ok=True)
+    want_tail = ref.get_many(ids, start=22, return_exceptions=True, missing_ok=True)
+    for g, w in [*zip(got, want, strict=True), *zip(got_tail, want_tail, strict=True)]:
+        assert type(g) is type(w) and (g == w if isinstance(w, RouteRecord) else str(g) == str(w))
+    assert got[3] is None and isinstance(got[6], RouteCorruptError)
+    assert [got[i] == recs[i] for i in (0, 1, 2, 4, 5, 7, 8)] == [True] * 7
+    assert got_tail[8].num_tokens == recs[8].num_tokens - 22
+    s.close()
+    assert s._pool is None
+    with pytest.raises(ValueError, match="decode_threads must be >= 1"):
+        RouteStore.from_url(redis_url, decode_threads=0)
+
+
+def test_a_forked_child_reads_with_its_own_decode_threads(closing, redis_url: str) -> None:
+    """A store whose decode pool exists before a fork (DataLoader workers fork the trainer)
+    still reads in the child: the child's inherited pool has no threads, so it makes its own."""
+    import multiprocessing as mp
+
+    p = f"fork{uuid.uuid4().hex[:6]}"
+    s = closing(RouteStore.from_url(redis_url, prefix=p, block_size=4, decode_threads=2))
+    recs = [make_record(np.arange(30) + 1000 * i, 2) for i in range(3)]
+    for i, r in enumerate(recs):
+        s.put(f"f{i}", r)
+    assert s.get_many(["f0", "f1", "f2"]) == recs and s._pool is not None
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    child = ctx.Process(target=_read_in_child, args=(s, q))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child hung reading through the inherited decode pool")
+    assert q.get(timeout=5) == [r.num_tokens for r in recs]
+
+
+def _read_in_child(s: RouteStore, q) -> None:
+    s.redis.connection_pool.reset()  # sockets are not shared with the parent
+    q.put([r.num_tokens for r in s.get_many(["f0", "f1", "f2"])])

@@ -9,13 +9,25 @@ install_wheels() {
     --target /tmp/site "$1"/*.whl
 }
 
-# stage_package: lay out routereplay under /tmp/rr: the client without its network modules
+# stage_package [full]: lay out routereplay under /tmp/rr: the client without its network modules
 # (they need redis and httpx; the checks round-trip records through the codec instead), the
-# trainer adapter and the experiments.
+# trainer adapter and the experiments. "full": the whole client and the benchmarks, with the
+# codec's C kernel compiled where gcc and Python's headers exist.
 stage_package() {
   rm -rf /tmp/rr && mkdir -p /tmp/rr/routereplay/client
   cp routereplay/*.py /tmp/rr/routereplay/
   cp -r routereplay/experiments /tmp/rr/routereplay/experiments
+  cp -r trainer_adapter /tmp/rr/routereplay/trainer_adapter
+  if [ "${1:-}" = full ]; then
+    cp -r routereplay/bench /tmp/rr/routereplay/bench
+    cp client/*.py client/*.c /tmp/rr/routereplay/client/
+    local inc so
+    inc=$(${PY:-python3} -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+    so=$(${PY:-python3} -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+    gcc -O3 -shared -fPIC -I"$inc" client/_ckernel.c -o "/tmp/rr/routereplay/client/_ckernel$so" \
+      || echo "no C kernel built: the codec decodes with numpy"
+    return 0
+  fi
   cp client/_errors.py client/_record.py client/_codec.py /tmp/rr/routereplay/client/
   cat > /tmp/rr/routereplay/client/__init__.py <<'PY'
 """routereplay.client (the GPU subset: records and their codec)."""
@@ -23,7 +35,6 @@ from ._codec import decode_record, encode_record  # noqa: F401
 from ._errors import *  # noqa: F403
 from ._record import RouteRecord, WeightSpan, expert_dtype  # noqa: F401
 PY
-  cp -r trainer_adapter /tmp/rr/routereplay/trainer_adapter
 }
 
 # run_check NAME NPROC ARGS...: one tests/gpu/replay_check.py configuration on $DEV, its log in

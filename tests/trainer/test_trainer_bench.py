@@ -10,14 +10,17 @@ from routereplay.bench.trainer import main
 def test_bench_trainer_small(redis_url, capsys):
     argv = ["--tokens", "4096", "--layers", "4", "--experts", "64", "--topk", "4",
             "--prompt-len", "64", "--completion-len", "256", "--repeat", "1",
-            "--redis-url", redis_url, "--json", "--step-s", "0.2", "--steps", "2"]  # fmt: skip
+            "--redis-url", redis_url, "--json", "--step-s", "0.2", "--steps", "2",
+            "--decode-threads", "2"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "END TO END per step" in out
-    assert "ratios (same run): peer / ours" in out and "with Prefetcher" in out
+    assert "ratios (same run), 2 decode threads: peer / ours" in out and "with Prefetcher" in out
     res = json.loads(out.strip().splitlines()[-1])
     # The peer path was checked to gather the same targets (an assert inside the benchmark);
     # here: every baseline and the prefetch numbers were measured, not left out.
-    for key in ("peer_over_ours", "ours_over_floor", "end_to_end_tokens_per_s"):
+    for key in ("peer_over_ours", "ours_over_floor", "end_to_end_tokens_per_s",
+                "peer_over_ours_one_thread", "ours_one_thread_over_floor"):  # fmt: skip
         assert res[key] > 0, key
+    assert res["decode_threads"] == 2 and res["codec_kernel"] == "compiled"
     assert res["step_prefetch_s"] > 0 and "added_serial_pct" in res, sorted(res)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The trainer-side benchmarks on a device machine's host CPUs (16+ cores, the size of a trainer
+# node's share), one command: `routereplay bench trainer` at several decode-thread counts, and the
+# codec part of `bench store`. Nothing there is installed: carried wheels in .device/wheels
+# (zstandard, blake3, redis, hiredis for its Python), a redis-server with its shared libraries in
+# .device/redis (copied from this machine: tests/gpu/carry_redis.sh), and the C kernel built
+# there with its gcc when it has one (else the numpy fallback, which `bench` prints).
+# DEV=cpu SKIP_INSTALL=1 PY=.venv/bin/python rehearses it here.
+set -u
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+OUT=${OUT:-/tmp/rr-out}
+mkdir -p "$OUT"
+. tests/gpu/_common.sh
+install_wheels .device/wheels || exit 1
+stage_package full
+[ -x .device/redis/redis-server ] && export PATH="$PWD/.device/redis:$PATH"
+export PYTHONPATH=/tmp/rr:/tmp/site
+nproc
+$PY -P -c 'import routereplay.client as c; print("codec kernel:", c.codec_kernel())'
+fail=0
+for th in ${THREADS:-1 4 8}; do
+  $PY -P -m routereplay.cli bench trainer --step-s "${STEP_S:-2}" --repeat 5 --decode-threads "$th" \
+    --json | tee "$OUT/bench-trainer-$th.txt" || fail=1
+done
+if [ -z "${NO_STORE:-}" ]; then
+  $PY -P -m routereplay.cli bench store --tokens 4096 --repeat 5 --capacity-groups 2 \
+    | tee "$OUT/bench-store.txt" || fail=1
+fi
+exit $fail
