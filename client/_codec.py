@@ -322,6 +322,7 @@ class Block:
     prev_chain: bytes | None = None
     address_hash: int = 1  # which hash addresses the chunk: 1 blake2b-128, 2 blake3-128
     chain: bytes | None = None  # the token chain after its rows, once its address was checked
+    max_id: int = -1  # the largest expert id in its rows (store chunks; -1: none or unknown)
 
 
 def _layer_cost(a: np.ndarray, per_layer: bool) -> float:
@@ -567,11 +568,20 @@ def record_fields(record: RouteRecord) -> dict[str, Any]:
     return fields
 
 
-def record_from_parts(p: dict[str, Any], block: Block, what: str) -> RouteRecord:
+def record_from_parts(
+    p: dict[str, Any],
+    block: Block,
+    what: str,
+    *,
+    cls: type[RouteRecord] = RouteRecord,
+    experts: Any = None,
+) -> RouteRecord:
+    """A ``cls`` record from payload fields ``p`` and the rows of ``block`` (or ``experts``,
+    what ``cls`` takes in their place)."""
     try:
-        return RouteRecord(
+        return cls(
             token_ids=block.token_ids,
-            experts=block.experts.transpose(1, 0, 2),
+            experts=block.experts.transpose(1, 0, 2) if experts is None else experts,
             valid=block.valid,
             moe_layers=tuple(p["moe"]),
             num_layers=int(p["L"]),

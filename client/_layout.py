@@ -324,6 +324,7 @@ def decode_chunk(digest: bytes, blob: bytes) -> Block:
     the chain they were addressed with; older ones are checked as they are assembled)."""
     what = f"chunk {digest.hex()}"
     block = decode_body(unframe(blob, KIND_CHUNK, what), what)
+    chain = None
     if block.prev_chain is not None:
         chain = _next_chain(block.prev_chain, block.token_ids)
         if _chunk_digest(chain, block.valid, block.experts, block.address_hash) != digest:
@@ -331,9 +332,10 @@ def decode_chunk(digest: bytes, blob: bytes) -> Block:
                 f"{what}: content does not match its address (a chunk stored under another "
                 "chunk's key, or altered bytes)"
             )
-        # Kept: each record using this chunk continues its chain from it (no second hash).
-        block = dataclasses.replace(block, chain=chain)
-    return block
+    # Kept: each record using this chunk continues its chain from it (no second hash), and its
+    # largest id is checked against each record's E without another pass over the rows.
+    e = block.experts
+    return dataclasses.replace(block, chain=chain, max_id=int(e.max()) if e.size else -1)
 
 
 def _check_chunk(m: Manifest, index: int, block: Block, prev: bytes | None) -> bytes | None:
@@ -356,30 +358,100 @@ def _check_chunk(m: Manifest, index: int, block: Block, prev: bytes | None) -> b
     return chain
 
 
+class StoredRecord(RouteRecord):
+    """A record read from a store: its rows stay the decoded chunks they came in until
+    ``experts`` (or :meth:`layer_major`) is first asked for, when they are joined once.
+
+    Why: a training step's batch is read only to be copied into the step's targets; joining
+    every record first (100 MB for a 256k-token step) doubled that copy (bench trainer). Token
+    ids and validity are joined at once (small). In every other respect a :class:`RouteRecord`:
+    equal to the same rows built in memory, and ``dataclasses.replace`` gives a plain copy.
+    """
+
+    _parts: list[tuple[int, np.ndarray]] | None
+    _lm: np.ndarray | None
+
+    @property  # type: ignore[override]
+    def experts(self) -> np.ndarray:
+        lm, parts = self._lm, self._parts
+        if lm is None and parts is not None:
+            arrs = [a for _, a in parts]
+            lm = np.concatenate(arrs, axis=1) if len(arrs) > 1 else arrs[0].copy()
+            self._lm = lm  # before the parts go: another thread finds one or the other
+            self._parts = None
+        elif lm is None:  # another thread joined them between the two reads above
+            lm = self._lm
+        assert lm is not None
+        return lm.transpose(1, 0, 2)
+
+    @experts.setter
+    def experts(self, value: np.ndarray | list[tuple[int, np.ndarray]]) -> None:
+        if isinstance(value, list):  # from assemble(): the chunks' layer-major parts
+            self._parts, self._lm = value, None
+        else:
+            self._parts, self._lm = None, np.asarray(value).transpose(1, 0, 2)
+
+    @property
+    def top_k(self) -> int:
+        parts = self._parts
+        return int(parts[0][1].shape[2]) if parts is not None else super().top_k
+
+    def layer_major(self) -> np.ndarray:
+        lm = self.experts.transpose(1, 0, 2)
+        return lm if lm.flags.c_contiguous else np.ascontiguousarray(lm)
+
+    def layer_major_parts(self) -> list[tuple[int, np.ndarray]]:
+        parts = self._parts
+        return list(parts) if parts is not None else super().layer_major_parts()
+
+    def _experts_to_validate(self) -> np.ndarray:
+        parts = self._parts
+        if parts is None:
+            return self.experts
+        # Shape and dtype from the parts without joining them; assemble() checked their ids.
+        p0 = parts[0][1]
+        T = sum(a.shape[1] for _, a in parts)
+        return np.broadcast_to(np.zeros((), p0.dtype), (T, p0.shape[0], p0.shape[2]))
+
+    def __getstate__(self) -> dict[str, Any]:
+        _ = self.experts  # pickles joined: the parts are views of shared chunk buffers
+        return self.__dict__
+
+
 def assemble(m: Manifest, blocks: Mapping[bytes, Block], start: int = 0) -> RouteRecord:
-    """Join decoded chunks into the record's rows ``start..T``, checking each one belongs."""
+    """The record's rows ``start..T`` from its decoded chunks (a :class:`StoredRecord`),
+    checking each chunk belongs and holds only ids below ``E``."""
     n = m.T - start
     bs = m.block_size
     needed = m.needed(start)
     prev = m.seed() if needed and needed[0] == 0 else None
-    parts: list[Block] = []
+    parts: list[tuple[int, np.ndarray]] = []
+    row = 0
     for i in needed:
         blk = blocks[m.digests[i]]
         prev = _check_chunk(m, i, blk, prev)
-        parts.append(blk)
-    # One concatenate per array rather than a slice assignment per chunk: a step's records
-    # hold thousands of chunks, and the per-assignment overhead was most of the cost.
+        rows = blk.experts if row or start <= i * bs else blk.experts[:, start - i * bs :]
+        if rows is blk.experts and (blk.max_id >= 0 or not rows.size):
+            top = blk.max_id
+        else:  # a tail of the first chunk, or a block decoded elsewhere
+            top = int(rows.max()) if rows.size else -1
+        if top >= m.E:
+            raise RouteCorruptError(
+                f"route {m.route_id!r}: chunk {i} holds expert id {top} >= num_experts={m.E}"
+            )
+        parts.append((row, rows))
+        row += rows.shape[1]
+    if row != n:  # _check_chunk checked every chunk's rows; this is their sum
+        raise RouteCorruptError(f"route {m.route_id!r}: chunks hold {row} rows, not {n}")
     lo = max(start - needed[0] * bs, 0) if needed else 0
-    dt = expert_dtype(m.E)
     if parts:
-        lm = np.concatenate([parts[0].experts[:, lo:], *(b.experts for b in parts[1:])], axis=1)
-        tok = np.concatenate([parts[0].token_ids[lo:], *(b.token_ids for b in parts[1:])])
-        valid = np.concatenate([parts[0].valid[lo:], *(b.valid for b in parts[1:])])
+        first = blocks[m.digests[needed[0]]]
+        rest = [blocks[m.digests[i]] for i in needed[1:]]
+        tok = np.concatenate([first.token_ids[lo:], *(b.token_ids for b in rest)])
+        valid = np.concatenate([first.valid[lo:], *(b.valid for b in rest)])
     else:
-        lm, tok, valid = np.empty((m.M, 0, m.K), dt), np.empty(0, np.int64), np.empty(0, bool)
-    lm = lm.astype(dt, copy=False)
-    if lm.shape[1] != n:  # _check_chunk checked every chunk's rows; this is the sum of them
-        raise RouteCorruptError(f"route {m.route_id!r}: chunks hold {lm.shape[1]} rows, not {n}")
+        tok, valid = np.empty(0, np.int64), np.empty(0, bool)
+        parts = [(0, np.empty((m.M, 0, m.K), expert_dtype(m.E)))]
     p = dict(m.fields)
     pl = min(max(int(p["pl"]) - start, 0), n)
     p["pl"] = pl
@@ -391,8 +463,9 @@ def assemble(m: Manifest, blocks: Mapping[bytes, Block], start: int = 0) -> Rout
         ]
     p["E"] = m.E
     return record_from_parts(
-        p, Block(tok, lm, valid, bool(p.get("canon"))), f"route {m.route_id!r}"
-    )
+        p, Block(tok, parts[0][1], valid, bool(p.get("canon"))), f"route {m.route_id!r}",
+        cls=StoredRecord, experts=parts,
+    )  # fmt: skip
 
 
 ReadResult = RouteRecord | RouteError | None

@@ -133,6 +133,18 @@ class RouteRecord:
         """``[M, T, K]`` view (a copy only if the storage is token-major), the trainer's layout."""
         return np.ascontiguousarray(self.experts.transpose(1, 0, 2))
 
+    def layer_major_parts(self) -> list[tuple[int, np.ndarray]]:
+        """The rows as consecutive layer-major parts ``(first_row, [M, n, K])``, never copied.
+
+        One part for a record built in memory. A record read from a store is its chunks (its
+        ``experts`` are joined only when first asked for), so a trainer can copy each chunk
+        straight into its targets: :func:`routereplay.trainer_adapter.gather_targets` does.
+        """
+        return [(0, self.experts.transpose(1, 0, 2))]
+
+    def _experts_to_validate(self) -> np.ndarray:
+        return self.experts
+
     def validate(self) -> None:
         """Raise :class:`RouteShapeError` naming the first inconsistency."""
         t = self.token_ids
@@ -140,7 +152,7 @@ class RouteRecord:
             raise RouteShapeError(f"token_ids must be 1-D [T], got shape {t.shape}")
         if t.size and (t.min() < 0 or t.max() > np.iinfo(np.uint32).max):
             raise RouteShapeError("token_ids must lie in [0, 2**32)")
-        e = self.experts
+        e = self._experts_to_validate()
         if not isinstance(e, np.ndarray) or e.ndim != 3:
             raise RouteShapeError(
                 f"experts must be a 3-D array [T, M, K], got {getattr(e, 'shape', type(e))}"

@@ -7,6 +7,7 @@ batch is 100 MB as uint8 and 800 MB as int64.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -149,7 +150,9 @@ def gather_targets(
         fillers at no-route positions and at the records' invalid rows.
 
     Copies are memcpy runs: consecutive positions reading consecutive rows of one record are one
-    strided copy of all layers at once, so the cost is one pass over the output bytes.
+    strided copy of all layers at once per part of the record (a record read from a store is
+    its chunks, :meth:`RouteRecord.layer_major_parts`), so the cost is one pass over the output
+    bytes.
     """
     layers = tuple(int(x) for x in layers)
     used = np.unique(pmap.record[pmap.record >= 0])
@@ -162,7 +165,7 @@ def gather_targets(
         top_k = r0.top_k if top_k is None else top_k
     dt = expert_dtype(num_experts)
     cols_of: dict[int, list[tuple[int, int, int]]] = {}
-    layer_major: dict[int, np.ndarray] = {}
+    parts_of: dict[int, tuple[list[int], list[np.ndarray]]] = {}
     for ri in used.tolist():
         r = records[ri]
         if r.num_experts != num_experts or r.top_k != top_k:
@@ -177,7 +180,9 @@ def gather_targets(
                 f" it covers {list(r.moe_layers)} of {r.num_layers} layers"
             )
         cols_of[ri] = _col_runs([r.moe_layers.index(x) for x in layers])
-        layer_major[ri] = r.layer_major()
+        # A record read from a store is its chunks: copied from them straight into ``out``.
+        parts = r.layer_major_parts()
+        parts_of[ri] = ([p0 for p0, _ in parts], [a for _, a in parts])
     if input_ids is not None:
         pmap.check_tokens(records, input_ids)
 
@@ -196,10 +201,18 @@ def gather_targets(
             ri = int(rec[s])
             if ri < 0:
                 continue
-            lm = layer_major[ri]
-            t0 = int(tok[s])
-            for o, c0, n in cols_of[ri]:
-                out[o : o + n, s:e] = lm[c0 : c0 + n, t0 : t0 + (e - s)]
+            firsts, arrs = parts_of[ri]
+            t0, t1 = int(tok[s]), int(tok[s]) + (e - s)
+            j = bisect.bisect_right(firsts, t0) - 1  # the part holding row t0
+            while t0 < t1:
+                a = arrs[j]
+                p0 = firsts[j]
+                n_rows = min(t1, p0 + a.shape[1]) - t0
+                d = s + (t0 - int(tok[s]))  # where row t0 lands in ``out``
+                for o, c0, n in cols_of[ri]:
+                    out[o : o + n, d : d + n_rows] = a[c0 : c0 + n, t0 - p0 : t0 - p0 + n_rows]
+                t0 += n_rows
+                j += 1
     # Fillers: no route, or a row the record marks invalid (zeros there would pass for expert 0).
     none = rec < 0
     if used.size:
