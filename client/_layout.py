@@ -370,6 +370,7 @@ class StoredRecord(RouteRecord):
 
     _parts: list[tuple[int, np.ndarray]] | None
     _lm: np.ndarray | None
+    _parts_max: int = -1  # the largest id in the parts, known from their chunks
 
     @property  # type: ignore[override]
     def experts(self) -> np.ndarray:
@@ -385,9 +386,9 @@ class StoredRecord(RouteRecord):
         return lm.transpose(1, 0, 2)
 
     @experts.setter
-    def experts(self, value: np.ndarray | list[tuple[int, np.ndarray]]) -> None:
-        if isinstance(value, list):  # from assemble(): the chunks' layer-major parts
-            self._parts, self._lm = value, None
+    def experts(self, value: np.ndarray | tuple[list[tuple[int, np.ndarray]], int]) -> None:
+        if isinstance(value, tuple):  # from assemble(): the chunks' layer-major parts, max id
+            (self._parts, self._parts_max), self._lm = value, None
         else:
             self._parts, self._lm = None, np.asarray(value).transpose(1, 0, 2)
 
@@ -404,11 +405,14 @@ class StoredRecord(RouteRecord):
         parts = self._parts
         return list(parts) if parts is not None else super().layer_major_parts()
 
+    def _max_expert_id(self) -> int:
+        return self._parts_max if self._parts is not None else super()._max_expert_id()
+
     def _experts_to_validate(self) -> np.ndarray:
         parts = self._parts
         if parts is None:
             return self.experts
-        # Shape and dtype from the parts without joining them; assemble() checked their ids.
+        # Shape and dtype from the parts without joining them (a broadcast stand-in).
         p0 = parts[0][1]
         T = sum(a.shape[1] for _, a in parts)
         return np.broadcast_to(np.zeros((), p0.dtype), (T, p0.shape[0], p0.shape[2]))
@@ -427,6 +431,7 @@ def assemble(m: Manifest, blocks: Mapping[bytes, Block], start: int = 0) -> Rout
     prev = m.seed() if needed and needed[0] == 0 else None
     parts: list[tuple[int, np.ndarray]] = []
     row = 0
+    most = -1
     for i in needed:
         blk = blocks[m.digests[i]]
         prev = _check_chunk(m, i, blk, prev)
@@ -441,6 +446,7 @@ def assemble(m: Manifest, blocks: Mapping[bytes, Block], start: int = 0) -> Rout
             )
         parts.append((row, rows))
         row += rows.shape[1]
+        most = max(most, top)
     if row != n:  # _check_chunk checked every chunk's rows; this is their sum
         raise RouteCorruptError(f"route {m.route_id!r}: chunks hold {row} rows, not {n}")
     lo = max(start - needed[0] * bs, 0) if needed else 0
@@ -464,7 +470,7 @@ def assemble(m: Manifest, blocks: Mapping[bytes, Block], start: int = 0) -> Rout
     p["E"] = m.E
     return record_from_parts(
         p, Block(tok, parts[0][1], valid, bool(p.get("canon"))), f"route {m.route_id!r}",
-        cls=StoredRecord, experts=parts,
+        cls=StoredRecord, experts=(parts, most),
     )  # fmt: skip
 
 

@@ -145,6 +145,9 @@ class RouteRecord:
     def _experts_to_validate(self) -> np.ndarray:
         return self.experts
 
+    def _max_expert_id(self) -> int:
+        return int(self.experts.max())
+
     def validate(self) -> None:
         """Raise :class:`RouteShapeError` naming the first inconsistency."""
         t = self.token_ids
@@ -198,7 +201,7 @@ class RouteRecord:
             prev = b
         # Every stored id (invalid rows too) must be a real expert: one vectorised max, no copy.
         if e.size and self.num_experts < np.iinfo(e.dtype).max + 1:
-            top = int(e.max())
+            top = self._max_expert_id()
             if top >= self.num_experts:
                 raise RouteShapeError(f"expert id {top} >= num_experts={self.num_experts}")
 

@@ -203,16 +203,23 @@ def gather_targets(
                 continue
             firsts, arrs = parts_of[ri]
             t0, t1 = int(tok[s]), int(tok[s]) + (e - s)
-            j = bisect.bisect_right(firsts, t0) - 1  # the part holding row t0
+            # The parts holding rows t0..t1, cut to them: one concatenate into ``out`` per layer
+            # range (a call per part cost more than the copies on 128-row chunks).
+            j = bisect.bisect_right(firsts, t0) - 1
+            cuts = []
             while t0 < t1:
-                a = arrs[j]
-                p0 = firsts[j]
-                n_rows = min(t1, p0 + a.shape[1]) - t0
-                d = s + (t0 - int(tok[s]))  # where row t0 lands in ``out``
-                for o, c0, n in cols_of[ri]:
-                    out[o : o + n, d : d + n_rows] = a[c0 : c0 + n, t0 - p0 : t0 - p0 + n_rows]
-                t0 += n_rows
-                j += 1
+                a, p0 = arrs[j], firsts[j]
+                stop = min(t1, p0 + a.shape[1])
+                cuts.append((a, t0 - p0, stop - p0))
+                t0, j = stop, j + 1
+            for o, c0, n in cols_of[ri]:
+                if len(cuts) == 1:
+                    a, x, y = cuts[0]
+                    out[o : o + n, s:e] = a[c0 : c0 + n, x:y]
+                else:
+                    np.concatenate(
+                        [a[c0 : c0 + n, x:y] for a, x, y in cuts], axis=1, out=out[o : o + n, s:e]
+                    )
     # Fillers: no route, or a row the record marks invalid (zeros there would pass for expert 0).
     none = rec < 0
     if used.size:
