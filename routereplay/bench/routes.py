@@ -101,7 +101,7 @@ def route_stats(records: list, E: int, K: int) -> dict[str, float]:
         n_ids += r.experts.size
     n_valid = sum(x.size for x in rows)
     bound = sum(math.log2(E - i) for i in range(K)) / K
-    names = {0: "plain", 1: "delta", 2: "gaps", 3: "keep"}  # row transforms, docs/storage.md
+    names = {0: "plain", 1: "delta", 2: "gaps", 3: "keep", 4: "tokens"}  # docs/storage.md
     return {
         "ids": n_valid,
         "H0": h0 / n_valid,

@@ -19,7 +19,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from routereplay.bench.store import skewed_entropy_bits, skewed_routes, uniform_routes
-from routereplay.client import RouteCorruptError, RouteRecord, decode_record, encode_record
+from routereplay.client import (
+    RouteCorruptError,
+    RouteRecord,
+    RouteVersionError,
+    decode_record,
+    encode_record,
+)
 from routereplay.client import _codec as C
 from routereplay.client._layout import parse_manifest, read_records
 
@@ -96,7 +102,7 @@ def test_every_transform_round_trips_every_byte(
     for t in range(1, T):  # slots that keep the previous token's expert
         same = rng.random((M, K)) < keep
         x[:, t][same] = x[:, t - 1][same]
-    for xf in (C.XF_PLAIN, C.XF_DELTA, C.XF_KEEP):
+    for xf in (C.XF_PLAIN, C.XF_DELTA, C.XF_KEEP, C.XF_TOKENS):
         _round_trip(x, E, xf)
     _round_trip(C.canonicalize(x), E, C.XF_GAPS, canonical=True)
 
@@ -185,7 +191,7 @@ def test_new_blobs_are_version_2_and_chunks_are_blake3_addressed() -> None:
 
     rec = make_records()["skewed-u8"]
     blob = encode_record(rec)
-    assert blob[4] == C.FORMAT_VERSION == 2
+    assert blob[4] == 2 and C.FORMAT_VERSION == 3  # version 3 only where the tokens order is
     plan = plan_put(KeySchema("t"), "r", rec, 128)
     m = parse_manifest("r", plan.manifest_blob)
     for i, d in enumerate(m.digests):
@@ -249,3 +255,63 @@ def test_a_chunk_naming_an_unknown_address_hash_is_corrupt() -> None:
     # Claiming the older hash for a blake3-addressed chunk fails its address check.
     with pytest.raises(RouteCorruptError, match="does not match its address"):
         decode_chunk(digest, C.frame(C.KIND_CHUNK, {**payload, "ha": 1}))
+
+
+def _context_routes(T: int, M: int, E: int, K: int, seed: int) -> RouteRecord:
+    """Routes a function of the token in every layer, over a small vocabulary: what a small
+    trained model does with a repeated token or context. Layer rows of K=2 bytes are too short
+    for zstd matches; a token's rows of all layers together are not."""
+    rng = np.random.default_rng(seed)
+    tok = rng.integers(0, 24, T)
+    table = rng.integers(0, E, (24, M, K))
+    ex = table[tok].astype(np.uint8)
+    ex[..., 1] = (ex[..., 0] + 1 + ex[..., 1] % (E - 1)) % E  # two distinct experts per row
+    return RouteRecord(token_ids=tok, experts=ex, valid=np.ones(T, bool), moe_layers=range(M),
+                       num_layers=M, num_experts=E)  # fmt: skip
+
+
+def test_the_tokens_order_is_chosen_where_rows_repeat_across_layers() -> None:
+    rec = _context_routes(600, 4, 16, 2, 0)
+    blob = encode_record(rec)
+    p = C.unframe(blob, C.KIND_RECORD, "x")
+    assert p["xf"] == C.XF_TOKENS and blob[4] == 3
+    lm_only = C.encode_body(rec.token_ids, rec.layer_major(), rec.valid, 16,
+                            transform=C.XF_PLAIN)["body"]  # fmt: skip
+    assert len(p["body"]) < 0.9 * len(lm_only)
+    assert decode_record(blob) == rec
+    # Generated routes without that structure keep their layer-major transforms, and rows of 8
+    # ids never try it (they match within a layer).
+    rng = np.random.default_rng(4)
+    uniform = RouteRecord(token_ids=np.zeros(600, np.int64),
+                          experts=uniform_routes(rng, 600, 4, 16, 2), valid=np.ones(600, bool),
+                          moe_layers=range(4), num_layers=4, num_experts=16)  # fmt: skip
+    assert C.unframe(encode_record(uniform), C.KIND_RECORD, "x")["xf"] == C.XF_PLAIN
+    skewed = _skewed_record(600, 4, 16, 2)
+    assert C.unframe(encode_record(skewed), C.KIND_RECORD, "x")["xf"] == C.XF_KEEP
+    wide = _context_routes(600, 4, 64, 8, 1)
+    assert C.unframe(encode_record(wide), C.KIND_RECORD, "x")["xf"] != C.XF_TOKENS
+
+
+def test_a_version_2_reader_refuses_the_tokens_order_and_reads_the_rest() -> None:
+    tokens_blob = encode_record(_context_routes(600, 4, 16, 2, 0))
+    other = encode_record(_skewed_record(600, 4, 16, 2))
+    with mock.patch.object(C, "FORMAT_VERSION", 2):  # what a version-2 library checks against
+        with pytest.raises(RouteVersionError, match=r"format version 3.*upgrade routereplay"):
+            decode_record(tokens_blob)
+        assert decode_record(other) == _skewed_record(600, 4, 16, 2)
+
+
+def test_store_chunks_in_the_tokens_order_verify_against_their_addresses() -> None:
+    from routereplay.client._layout import KeySchema, decode_chunk, plan_put
+
+    rec = _context_routes(2000, 4, 16, 2, 3)
+    plan = plan_put(KeySchema("t"), "r", rec, 512)
+    m = parse_manifest("r", plan.manifest_blob)
+    chunks = {d: plan.chunk_blob(i) for i, d in enumerate(m.digests)}
+    assert {C.unframe(c, C.KIND_CHUNK, "c")["xf"] for c in chunks.values()} == {C.XF_TOKENS}
+    for d, c in chunks.items():
+        assert not decode_chunk(d, c).experts.flags.c_contiguous  # the strided layer-major view
+    (got,) = read_records(["r"], [plan.manifest_blob], chunks)
+    assert got == rec
+    with pytest.raises(RouteCorruptError, match="does not match its address"):
+        decode_chunk(m.digests[1], chunks[m.digests[0]])
