@@ -229,8 +229,9 @@ def bench_sizes_and_speed(rng: np.random.Generator, T: int, repeat: int) -> None
         " ours. skewed = Zipf(1.1) expert popularity per layer, each slot keeps the previous"
         " token's expert with p = 0.5. Baseline in the same run: 'vs zstd' = plain zstd (level 1)"
         " bytes of the same [T, M, K] array / our route bytes; 'enc x', 'dec x' = our speed /"
-        " plain zstd's (our decode includes the crc32 check, the row transform and the"
-        " layer-major to token-major copy)."
+        " plain zstd's (our decode includes the crc32 check, the row transform and, for plain"
+        " rows, a copy out of zstd's read-only output; records are token-major views of"
+        " layer-major rows). Decode runs the codec's C loop where built (codec_kernel())."
     )
 
 
