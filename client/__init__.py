@@ -20,7 +20,14 @@ from ._errors import (
     RouteVersionError,
 )
 from ._http import AsyncRoutesClient, RoutesClient
-from ._layout import DEFAULT_BLOCK_SIZE, DEFAULT_TTL_S, KeySchema, PutResult, validate_route_id
+from ._layout import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_TTL_S,
+    KeySchema,
+    PutResult,
+    StoredRecord,
+    validate_route_id,
+)
 from ._record import RouteRecord, WeightSpan, expert_dtype
 from ._store import AsyncRouteStore, RouteStore
 
@@ -49,6 +56,7 @@ __all__ = [
     "RouteTruncatedError",
     "RouteVersionError",
     "RoutesClient",
+    "StoredRecord",
     "WeightSpan",
     "codec_kernel",
     "decode_record",
