@@ -99,8 +99,9 @@ _TRANSFORMS = (XF_PLAIN, XF_DELTA, XF_GAPS, XF_KEEP, XF_TOKENS)
 _ZSTD_LEVEL = 1
 # Entropy estimate sample: enough symbols for a stable histogram, cheap next to compression.
 _SAMPLE = 1 << 16
-# Trial compression sample for the token order: matches need whole runs of tokens, a few KB.
-_TRIAL = 1 << 13
+# Trial compression sample for the token order: matches need whole runs of tokens, a few KB;
+# a 128-token store chunk of a top-2 router (up to 64 layers) is tried whole.
+_TRIAL = 1 << 14
 # A layer whose symbols fill at least this many bytes gets zstd blocks of its own, hence its own
 # Huffman table (~50-100 bytes): real routers' expert popularity differs per layer, and one
 # table for all layers codes their mixture, which is nearly uniform. Smaller layers (a 128-token
@@ -454,20 +455,29 @@ def encode_body(
         # decode pass. On uniform routes every estimate is within sampling noise of plain.
         if est[xf] > 0.99 * est[XF_PLAIN]:
             xf = XF_PLAIN
-        # Token order: what it saves is zstd matches, which no order-0 estimate sees, so it is
-        # tried on a small sample against the chosen transform (~0.05 ms). Only for rows
-        # shorter than zstd's minimum match (5 to 7 bytes): longer rows match within a layer.
-        if K * experts_lm.itemsize < 8:
-            trial = _sample_tokens(experts_lm, _TRIAL)
-            if len(_compress(_row_segments(XF_TOKENS, trial, False))) < 0.97 * len(
-                _compress(_row_segments(xf, trial, False))
-            ):
-                xf = XF_TOKENS
     else:
         xf = XF_PLAIN
     tok = token_ids.astype("<u4", copy=False).tobytes()
     head = tok + np.packbits(valid).tobytes()
     segments = [head, *_row_segments(xf, experts_lm, per_layer)]
+    body = _compress(segments)
+    # Token order: what it saves is zstd matches, which no order-0 estimate sees, so it is
+    # tried by compressing. Only for rows shorter than zstd's minimum match (5 to 7 bytes):
+    # longer rows match within a layer. A small block is compressed whole in token order and
+    # compared with its body; a large one on a sample, both ways (~0.05 ms).
+    if transform is None and T > 1 and experts_lm.size and K * experts_lm.itemsize < 8:
+        trial = _sample_tokens(experts_lm, _TRIAL)
+        if trial is experts_lm:
+            alt = [head, *_row_segments(XF_TOKENS, experts_lm, False)]
+            alt_body = _compress(alt)
+            if len(alt_body) < 0.97 * len(body):
+                xf, segments, body = XF_TOKENS, alt, alt_body
+        elif len(_compress(_row_segments(XF_TOKENS, trial, False))) < 0.97 * len(
+            _compress(_row_segments(xf, trial, False))
+        ):
+            xf = XF_TOKENS
+            segments = [head, *_row_segments(xf, experts_lm, per_layer)]
+            body = _compress(segments)
     return {
         "T": T,
         "M": M,
@@ -476,7 +486,7 @@ def encode_body(
         "xf": xf,
         "canon": canonical_order,
         "raw": sum(len(x) for x in segments),
-        "body": _compress(segments),
+        "body": body,
     }
 
 
