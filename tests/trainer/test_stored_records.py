@@ -177,3 +177,32 @@ def test_threads_joining_one_record_at_once_all_get_its_rows() -> None:
         for s, r in zip(stored, recs, strict=True):
             outs = list(pool.map(lambda _, s=s: s.experts.copy(), range(8)))
             assert all(np.array_equal(o, r.experts) for o in outs)
+
+
+def test_chunks_stored_in_token_order_gather_the_same_targets() -> None:
+    """Chunks in format 3's token order decode to strided layer-major views; the gather copies
+    from those views exactly as from contiguous ones."""
+    from routereplay.client import _codec
+
+    rng = np.random.default_rng(21)
+    recs = []
+    for n in (300, 170):
+        tok = rng.integers(0, 20, n)
+        table = np.argsort(rng.random((20, len(MOE), E)), axis=2)[:, :, :2].astype(np.uint8)
+        recs.append(RouteRecord(token_ids=tok, experts=table[tok], valid=np.ones(n, bool),
+                                moe_layers=MOE, num_layers=L, num_experts=E))  # fmt: skip
+    keys = KeySchema("t")
+    plan = plan_put(keys, "r0", recs[0], 64)
+    assert _codec.unframe(plan.chunk_blob(0), _codec.KIND_CHUNK, "c")["xf"] == _codec.XF_TOKENS
+    stored = _stored(recs, 64)
+    assert not stored[0].layer_major_parts()[0][1].flags.c_contiguous  # strided views
+    plain = [_plain(s) for s in stored]
+    cu = np.concatenate([[0], np.cumsum([r.num_tokens for r in recs])])
+    cup = np.concatenate([[0], np.cumsum([304, 172])])
+    pm = thd_position_map([sample_from_record(i, r) for i, r in enumerate(recs)], cu,
+                          cu_seqlens_padded=cup, records=recs)  # fmt: skip
+    for c in range(2):
+        loc = pm.local(cp_size=2, cp_rank=c, tp_size=1, tp_rank=0, cu_seqlens_padded=cup)
+        got = gather_targets(loc, stored, (2, 4))
+        np.testing.assert_array_equal(got.experts, gather_targets(loc, plain, (2, 4)).experts)
+    assert stored == recs
