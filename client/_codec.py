@@ -37,7 +37,6 @@ Row transforms (chosen per blob by an entropy estimate on a sample, recorded in 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import struct
@@ -459,25 +458,24 @@ def encode_body(
         xf = XF_PLAIN
     tok = token_ids.astype("<u4", copy=False).tobytes()
     head = tok + np.packbits(valid).tobytes()
-    segments = [head, *_row_segments(xf, experts_lm, per_layer)]
-    body = _compress(segments)
     # Token order: what it saves is zstd matches, which no order-0 estimate sees, so it is
     # tried by compressing. Only for rows shorter than zstd's minimum match (5 to 7 bytes):
-    # longer rows match within a layer. A small block is compressed whole in token order and
-    # compared with its body; a large one on a sample, both ways (~0.05 ms).
+    # longer rows match within a layer. A large block is tried on a sample, both ways
+    # (~0.05 ms); a small one whole, against the body it gets anyway.
+    trial = None
     if transform is None and T > 1 and experts_lm.size and K * experts_lm.itemsize < 8:
         trial = _sample_tokens(experts_lm, _TRIAL)
-        if trial is experts_lm:
-            alt = [head, *_row_segments(XF_TOKENS, experts_lm, False)]
-            alt_body = _compress(alt)
-            if len(alt_body) < 0.97 * len(body):
-                xf, segments, body = XF_TOKENS, alt, alt_body
-        elif len(_compress(_row_segments(XF_TOKENS, trial, False))) < 0.97 * len(
-            _compress(_row_segments(xf, trial, False))
-        ):
+        if trial is not experts_lm and len(
+            _compress(_row_segments(XF_TOKENS, trial, False))
+        ) < 0.97 * len(_compress(_row_segments(xf, trial, False))):
             xf = XF_TOKENS
-            segments = [head, *_row_segments(xf, experts_lm, per_layer)]
-            body = _compress(segments)
+    segments = [head, *_row_segments(xf, experts_lm, per_layer)]
+    body = _compress(segments)
+    if trial is experts_lm:
+        alt = [head, *_row_segments(XF_TOKENS, experts_lm, False)]
+        alt_body = _compress(alt)
+        if len(alt_body) < 0.97 * len(body):
+            xf, segments, body = XF_TOKENS, alt, alt_body
     return {
         "T": T,
         "M": M,
@@ -610,19 +608,20 @@ def record_fields(record: RouteRecord) -> dict[str, Any]:
 
 def record_from_parts(
     p: dict[str, Any],
-    block: Block,
+    token_ids: np.ndarray,
+    experts: Any,
+    valid: np.ndarray,
     what: str,
     *,
     cls: type[RouteRecord] = RouteRecord,
-    experts: Any = None,
 ) -> RouteRecord:
-    """A ``cls`` record from payload fields ``p`` and the rows of ``block`` (or ``experts``,
-    what ``cls`` takes in their place)."""
+    """A ``cls`` record from payload fields ``p`` and its rows (``experts``: what ``cls``
+    takes, ``[T, M, K]`` for a :class:`RouteRecord`)."""
     try:
         return cls(
-            token_ids=block.token_ids,
-            experts=block.experts.transpose(1, 0, 2) if experts is None else experts,
-            valid=block.valid,
+            token_ids=token_ids,
+            experts=experts,
+            valid=valid,
             moe_layers=tuple(p["moe"]),
             num_layers=int(p["L"]),
             num_experts=int(p["E"]),
@@ -644,8 +643,9 @@ def decode_record(blob: bytes | bytearray | memoryview, *, what: str = "record")
     """
     p = unframe(blob, KIND_RECORD, what)
     block = decode_body(p, what)
-    if not block.experts.flags.writeable:
+    lm = block.experts
+    if not lm.flags.writeable:
         # The plain uint8 path views the decompressed bytes; a decoded record owns writable
-        # arrays on every path, as store reads (assembled into fresh arrays) do.
-        block = dataclasses.replace(block, experts=block.experts.copy())
-    return record_from_parts(p, block, what)
+        # arrays on every path, as joined store reads do.
+        lm = lm.copy()
+    return record_from_parts(p, block.token_ids, lm.transpose(1, 0, 2), block.valid, what)

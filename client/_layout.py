@@ -397,10 +397,6 @@ class StoredRecord(RouteRecord):
         parts = self._parts
         return int(parts[0][1].shape[2]) if parts is not None else super().top_k
 
-    def layer_major(self) -> np.ndarray:
-        lm = self.experts.transpose(1, 0, 2)
-        return lm if lm.flags.c_contiguous else np.ascontiguousarray(lm)
-
     def layer_major_parts(self) -> list[tuple[int, np.ndarray]]:
         parts = self._parts
         return list(parts) if parts is not None else super().layer_major_parts()
@@ -430,34 +426,34 @@ def assemble(m: Manifest, blocks: Mapping[bytes, Block], start: int = 0) -> Rout
     needed = m.needed(start)
     prev = m.seed() if needed and needed[0] == 0 else None
     parts: list[tuple[int, np.ndarray]] = []
+    toks: list[np.ndarray] = []
+    valids: list[np.ndarray] = []
     row = 0
     most = -1
     for i in needed:
         blk = blocks[m.digests[i]]
         prev = _check_chunk(m, i, blk, prev)
-        rows = blk.experts if row or start <= i * bs else blk.experts[:, start - i * bs :]
-        if rows is blk.experts and (blk.max_id >= 0 or not rows.size):
-            top = blk.max_id
-        else:  # a tail of the first chunk, or a block decoded elsewhere
+        lo = max(start - i * bs, 0)  # only the first chunk can start inside
+        rows = blk.experts[:, lo:] if lo else blk.experts
+        if lo or blk.max_id < 0:  # a chunk's tail, or a block without its maximum
             top = int(rows.max()) if rows.size else -1
+        else:  # decode_chunk computed it
+            top = blk.max_id
         if top >= m.E:
             raise RouteCorruptError(
                 f"route {m.route_id!r}: chunk {i} holds expert id {top} >= num_experts={m.E}"
             )
         parts.append((row, rows))
+        toks.append(blk.token_ids[lo:])
+        valids.append(blk.valid[lo:])
         row += rows.shape[1]
         most = max(most, top)
     if row != n:  # _check_chunk checked every chunk's rows; this is their sum
         raise RouteCorruptError(f"route {m.route_id!r}: chunks hold {row} rows, not {n}")
-    lo = max(start - needed[0] * bs, 0) if needed else 0
-    if parts:
-        first = blocks[m.digests[needed[0]]]
-        rest = [blocks[m.digests[i]] for i in needed[1:]]
-        tok = np.concatenate([first.token_ids[lo:], *(b.token_ids for b in rest)])
-        valid = np.concatenate([first.valid[lo:], *(b.valid for b in rest)])
-    else:
-        tok, valid = np.empty(0, np.int64), np.empty(0, bool)
+    if not parts:
         parts = [(0, np.empty((m.M, 0, m.K), expert_dtype(m.E)))]
+    tok = np.concatenate(toks) if toks else np.empty(0, np.int64)
+    valid = np.concatenate(valids) if valids else np.empty(0, bool)
     p = dict(m.fields)
     pl = min(max(int(p["pl"]) - start, 0), n)
     p["pl"] = pl
@@ -469,9 +465,8 @@ def assemble(m: Manifest, blocks: Mapping[bytes, Block], start: int = 0) -> Rout
         ]
     p["E"] = m.E
     return record_from_parts(
-        p, Block(tok, parts[0][1], valid, bool(p.get("canon"))), f"route {m.route_id!r}",
-        cls=StoredRecord, experts=(parts, most),
-    )  # fmt: skip
+        p, tok, (parts, most), valid, f"route {m.route_id!r}", cls=StoredRecord
+    )
 
 
 ReadResult = RouteRecord | RouteError | None
@@ -567,21 +562,16 @@ class ChunkDecoder(Mapping[bytes, "Block | RouteError | None"]):
         return len(self._done) + sum(1 for d in self._pending if d not in self._done)
 
 
-def finish_read(
-    plan: ReadPlan,
-    chunk_blobs: Mapping[bytes, bytes | None],
-    pool: Executor | None = None,
-    parts: int = 1,
-) -> list[ReadResult]:
+def finish_read(plan: ReadPlan, chunk_blobs: Mapping[bytes, bytes | None]) -> list[ReadResult]:
     """The records of ``plan`` from their chunks' bytes (digest -> bytes, None: gone).
 
     Each distinct chunk is decoded and checked against its address once. A result is the record,
     None (no manifest), or the error that id alone hit: :class:`RouteEvictedError` (a chunk is
     gone), :class:`RouteCorruptError` (bytes fail a check), :class:`RouteShapeError` (``start``
-    out of range). One bad record never fails the others. ``pool`` decodes the chunks in
-    ``parts`` tasks.
+    out of range). One bad record never fails the others. Decoded on the caller's thread
+    (:class:`ChunkDecoder` with a pool is the store's pipelined path).
     """
-    dec = ChunkDecoder(pool, parts)
+    dec = ChunkDecoder()
     digests = plan.digests()
     dec.add(digests, [chunk_blobs.get(d) for d in digests])
     return assemble_read(plan, dec)
