@@ -155,25 +155,39 @@ def _put(plan: PutPlan, ttl: int) -> Op:
     )
 
 
-def _get_many(keys: KeySchema, ids: list[str], start: int, pool: Executor | None, parts: int) -> Op:
+def _read(names: list[str], mget: bool) -> Generator[list[Command], list[Any], list[Any]]:
+    """The values of keys ``names`` (None where absent) in one round trip: one MGET where all
+    keys may be read together (standalone Redis; a cluster's keys live in many slots), else a
+    GET each. Why MGET: Redis and redis-py then handle one reply, not one per key; reading a
+    training step's chunks took ~40% less client time (bench trainer)."""
+    if not names:
+        return []
+    if mget:
+        return (yield [_cmd("mget", names)])[0]
+    return (yield [_cmd("get", n) for n in names])
+
+
+def _get_many(
+    keys: KeySchema, ids: list[str], start: int, pool: Executor | None, parts: int, mget: bool
+) -> Op:
     """One result per id (record, None, or that id's error); each shared chunk read once, in
     batches that decode (on ``pool``) while the next batch is read."""
-    blobs = yield [_cmd("get", keys.manifest(rid)) for rid in ids]
+    blobs = yield from _read([keys.manifest(rid) for rid in ids], mget)
     plan = plan_read(ids, blobs, start)
     digests = plan.digests()
     dec = ChunkDecoder(pool, parts)
     for i in range(0, len(digests), _GET_BATCH):
         batch = digests[i : i + _GET_BATCH]
-        dec.add(batch, (yield [_cmd("get", keys.chunk(d)) for d in batch]))
+        dec.add(batch, (yield from _read([keys.chunk(d) for d in batch], mget)))
     return assemble_read(plan, dec)
 
 
-def _raw_batch(keys: KeySchema, ids: list[str], start: int, max_bytes: int) -> Op:
+def _raw_batch(keys: KeySchema, ids: list[str], start: int, max_bytes: int, mget: bool) -> Op:
     """The stored bytes of ``ids`` (manifests and the distinct chunks rows ``start..`` need),
     undecoded, for a reader elsewhere to assemble and verify. Stops taking ids once the chunk
     bytes pass ``max_bytes`` (always taking the first), so memory stays bounded: those not
     taken are returned as ``deferred``."""
-    blobs = yield [_cmd("get", keys.manifest(rid)) for rid in ids]
+    blobs = yield from _read([keys.manifest(rid) for rid in ids], mget)
     plan = plan_read(ids, blobs, start)
     batch = RawBatch()
     for idx, rid in enumerate(ids):
@@ -188,7 +202,7 @@ def _raw_batch(keys: KeySchema, ids: list[str], start: int, max_bytes: int) -> O
             break
         new = [m.digests[i] for i in needed if m.digests[i] not in batch.chunks]
         new = list(dict.fromkeys(new))
-        got = (yield [_cmd("get", keys.chunk(d)) for d in new]) if new else []
+        got = yield from _read([keys.chunk(d) for d in new], mget)
         for d, blob in zip(new, got, strict=True):
             batch.chunks[d] = blob
             total += len(blob or b"")
@@ -331,10 +345,17 @@ class _Common:
     def _get_op(self, route_ids: Sequence[str], start: int) -> Op:
         ids = [validate_route_id(r) for r in route_ids]
         # A few tasks per thread per stage: even shares without a task per chunk.
-        return _get_many(self.keys, ids, start, self._decode_pool(), 2 * self.decode_threads)
+        return _get_many(
+            self.keys, ids, start, self._decode_pool(), 2 * self.decode_threads, self._mget
+        )
 
     def _raw_op(self, route_ids: Sequence[str], start: int, max_bytes: int) -> Op:
-        return _raw_batch(self.keys, [validate_route_id(r) for r in route_ids], start, max_bytes)
+        ids = [validate_route_id(r) for r in route_ids]
+        return _raw_batch(self.keys, ids, start, max_bytes, self._mget)
+
+    @property
+    def _mget(self) -> bool:
+        return not isinstance(self.redis, (RedisCluster, AsyncRedisCluster))
 
     def _manifest_key(self, route_id: str) -> str:
         return self.keys.manifest(validate_route_id(route_id))
