@@ -5,7 +5,9 @@ without Redis: the layout code is the same one RouteStore runs."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import pickle
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -22,6 +24,8 @@ from routereplay.trainer_adapter import (
     shared_prefix_sample,
     thd_position_map,
 )
+
+_targets = importlib.import_module("routereplay.trainer_adapter._targets")
 
 E, K, L = 16, 3, 5
 MOE = (1, 2, 4)  # layers 0 and 3 dense
@@ -63,8 +67,19 @@ def _plain(s: StoredRecord) -> RouteRecord:
     tp=st.sampled_from([1, 2]),
     layers=st.sampled_from([MOE, (2,), (1, 4)]),
     seed=st.integers(0, 2**16),
+    threads=st.sampled_from([1, 3]),
 )
-def test_gather_from_chunks_equals_gather_from_joined_rows(lens, block, cp, tp, layers, seed):
+def test_gather_from_chunks_equals_gather_from_joined_rows(
+    lens, block, cp, tp, layers, seed, threads
+):
+    """``threads=3``: the copies split over three threads, as they are for large outputs (the
+    ranges cut runs of one record, and chunk boundaries, anywhere)."""
+    split = mock.patch.multiple(_targets, _SPLIT_BYTES=0, _copy_threads=lambda: threads)
+    with split:
+        _gather_from_chunks_equals_gather_from_joined_rows(lens, block, cp, tp, layers, seed)
+
+
+def _gather_from_chunks_equals_gather_from_joined_rows(lens, block, cp, tp, layers, seed):
     rng = np.random.default_rng(seed)
     recs = [_record(rng, rng.integers(0, 999, n)) for n in lens]
     stored = _stored(recs, block)
