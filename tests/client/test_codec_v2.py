@@ -186,17 +186,28 @@ def test_crafted_keep_bodies_are_corrupt_errors(kernel: str) -> None:
         C.decode_body(pad, "x")
 
 
-def test_new_blobs_are_version_2_and_chunks_are_blake3_addressed() -> None:
-    from routereplay.client._layout import KeySchema, decode_chunk, plan_put
+def test_new_blobs_are_version_2_and_chunks_are_version_4_rows_first_blake3() -> None:
+    import blake3
+
+    from routereplay.client._layout import KeySchema, decode_chunk, plan_put, token_chain
 
     rec = make_records()["skewed-u8"]
     blob = encode_record(rec)
-    assert blob[4] == 2 and C.FORMAT_VERSION == 3  # version 3 only where the tokens order is
+    assert blob[4] == 2 and C.FORMAT_VERSION == 4  # version 3 only where the tokens order is
     plan = plan_put(KeySchema("t"), "r", rec, 128)
+    assert plan.manifest_blob[4] == 2
     m = parse_manifest("r", plan.manifest_blob)
+    chains = token_chain(m.seed(), rec.token_ids, 128, len(m.digests))
+    lm = rec.layer_major()
     for i, d in enumerate(m.digests):
         chunk = plan.chunk_blob(i)
-        assert C.unframe(chunk, C.KIND_CHUNK, "c")["ha"] == 2
+        assert chunk[4] == 4 and C.unframe(chunk, C.KIND_CHUNK, "c")["ha"] == 3
+        # The address as docs/storage.md states it: blake3(rows | chain | packbits(valid)).
+        a, b = i * 128, min((i + 1) * 128, rec.num_tokens)
+        h = blake3.blake3(np.ascontiguousarray(lm[:, a:b]).tobytes())
+        h.update(chains[i])
+        h.update(np.packbits(rec.valid[a:b]).tobytes())
+        assert h.digest(16) == d
         decode_chunk(d, chunk)  # verifies the address
     # The same chunk under another chunk's address is refused.
     with pytest.raises(RouteCorruptError, match="does not match its address"):
@@ -248,13 +259,59 @@ def test_a_chunk_naming_an_unknown_address_hash_is_corrupt() -> None:
     plan = plan_put(KeySchema("t"), "r", make_records()["repeat-u8"], 128)
     digest = parse_manifest("r", plan.manifest_blob).digests[0]
     payload = C.unframe(plan.chunk_blob(0), C.KIND_CHUNK, "c")
-    for ha in (3, "blake3", None):
+    for ha in (4, "blake3", None):
         forged = C.frame(C.KIND_CHUNK, {**payload, "ha": ha})
         with pytest.raises(RouteCorruptError, match="address hash"):
             decode_chunk(digest, forged)
-    # Claiming the older hash for a blake3-addressed chunk fails its address check.
-    with pytest.raises(RouteCorruptError, match="does not match its address"):
-        decode_chunk(digest, C.frame(C.KIND_CHUNK, {**payload, "ha": 1}))
+    # Claiming an older hash for a chunk addressed by the newest fails its address check.
+    for ha in (1, 2):
+        with pytest.raises(RouteCorruptError, match="does not match its address"):
+            decode_chunk(digest, C.frame(C.KIND_CHUNK, {**payload, "ha": ha}))
+
+
+def test_a_version_3_reader_refuses_new_chunks_and_reads_records_and_manifests() -> None:
+    from routereplay.client._layout import KeySchema, plan_put
+
+    rec = make_records()["skewed-u8"]
+    plan = plan_put(KeySchema("t"), "r", rec, 128)
+    with mock.patch.object(C, "FORMAT_VERSION", 3):  # what a version-3 library checks against
+        with pytest.raises(RouteVersionError, match=r"format version 4.*upgrade routereplay"):
+            C.unframe(plan.chunk_blob(0), C.KIND_CHUNK, "c")
+        assert decode_record(encode_record(rec)) == rec
+        assert parse_manifest("r", plan.manifest_blob).T == rec.num_tokens
+
+
+def test_a_chunk_with_a_flipped_byte_is_named_corrupted() -> None:
+    """Chunks carrying their chain skip the frame checksum on the way in (the address covers
+    their rows); a failed check still names altered bytes as a checksum mismatch."""
+    from routereplay.client._layout import KeySchema, decode_chunk, plan_put
+
+    rec = make_records()["skewed-u8"]
+    plan = plan_put(KeySchema("t"), "r", rec, 128)
+    digest = parse_manifest("r", plan.manifest_blob).digests[0]
+    good = plan.chunk_blob(0)
+    want = decode_chunk(digest, good)
+    hits = 0
+    for pos in range(16, len(good)):
+        bad = bytearray(good)
+        bad[pos] ^= 0x5A
+        try:
+            got = decode_chunk(digest, bytes(bad))
+        except RouteCorruptError as e:
+            assert "checksum mismatch" in str(e), (pos, str(e))
+            hits += 1
+        else:  # only a byte no reader uses (a field name, the unused "canon" flag) may pass
+            assert np.array_equal(got.experts, want.experts), pos
+            assert np.array_equal(got.token_ids, want.token_ids), pos
+            assert np.array_equal(got.valid, want.valid) and got.chain == want.chain, pos
+    assert hits > 0.95 * (len(good) - 16)
+    # A chunk of an older writer (no chain to check) is checked against its checksum first.
+    p = C.unframe(good, C.KIND_CHUNK, "c")
+    del p["pc"]
+    old = bytearray(C.frame(C.KIND_CHUNK, p))
+    old[-3] ^= 0x01
+    with pytest.raises(RouteCorruptError, match="checksum mismatch"):
+        decode_chunk(digest, bytes(old))
 
 
 def _context_routes(T: int, M: int, E: int, K: int, seed: int) -> RouteRecord:
