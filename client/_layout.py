@@ -354,18 +354,12 @@ def decode_chunk(digest: bytes, blob: bytes) -> Block:
         check_crc(blob, what)  # altered bytes are named as such
         raise
     # Kept: each record using this chunk continues its chain from it (no second hash), and its
-    # largest id is checked against each record's E without another pass over the rows.
+    # largest id is checked against each record's E without another pass over the rows. Set on
+    # the block just built, before anything else sees it (a second frozen Block cost more).
     e = block.experts
-    return Block(
-        token_ids=block.token_ids,
-        experts=e,
-        valid=block.valid,
-        canonical=block.canonical,
-        prev_chain=block.prev_chain,
-        address_hash=block.address_hash,
-        chain=chain,
-        max_id=int(e.max()) if e.size else -1,
-    )
+    object.__setattr__(block, "chain", chain)
+    object.__setattr__(block, "max_id", int(e.max()) if e.size else -1)
+    return block
 
 
 def _check_chunk(m: Manifest, index: int, block: Block, prev: bytes | None) -> bytes | None:

@@ -210,6 +210,7 @@ def gather_targets(
     dt = expert_dtype(num_experts)
     cols_of: dict[int, list[tuple[int, int, int]]] = {}
     parts_of: dict[int, tuple[list[int], list[np.ndarray]]] = {}
+    runs_of_layout: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}  # records share one
     for ri in used.tolist():
         r = records[ri]
         if r.num_experts != num_experts or r.top_k != top_k:
@@ -217,13 +218,16 @@ def gather_targets(
                 f"record {ri} has num_experts={r.num_experts}, top_k={r.top_k}; the model has "
                 f"num_experts={num_experts}, top_k={top_k}"
             )
-        missing = sorted(set(layers) - set(r.moe_layers))
-        if missing:
-            raise RouteLayerMismatchError(
-                f"record {ri} has no routes for the model's MoE layers {missing} (global 0-based);"
-                f" it covers {list(r.moe_layers)} of {r.num_layers} layers"
-            )
-        cols_of[ri] = _col_runs([r.moe_layers.index(x) for x in layers])
+        runs = runs_of_layout.get(r.moe_layers)
+        if runs is None:
+            missing = sorted(set(layers) - set(r.moe_layers))
+            if missing:
+                raise RouteLayerMismatchError(
+                    f"record {ri} has no routes for the model's MoE layers {missing} (global "
+                    f"0-based); it covers {list(r.moe_layers)} of {r.num_layers} layers"
+                )
+            runs = runs_of_layout[r.moe_layers] = _col_runs([r.moe_layers.index(x) for x in layers])
+        cols_of[ri] = runs
         # A record read from a store is its chunks: copied from them straight into ``out``.
         parts = r.layer_major_parts()
         parts_of[ri] = ([p0 for p0, _ in parts], [a for _, a in parts])
@@ -237,6 +241,7 @@ def gather_targets(
     out = np.empty((M, N, top_k), dtype=dt)
     rec = pmap.record.reshape(-1)
     tok = pmap.token.reshape(-1)
+    routed = np.zeros(N, bool)  # positions given a valid row of a record, set as they are copied
     if N:
         brk = np.flatnonzero((rec[1:] != rec[:-1]) | (tok[1:] != tok[:-1] + 1)) + 1
         starts = np.concatenate([[0], brk]).tolist()
@@ -255,6 +260,7 @@ def gather_targets(
                 ri = int(rec[s])
                 firsts, arrs = parts_of[ri]
                 t0, t1 = int(tok[s]), int(tok[s]) + (e - s)
+                routed[s:e] = records[ri].valid[t0:t1]
                 # The parts holding rows t0..t1, cut to them: one concatenate into ``out`` per
                 # layer range (a call per part cost more than the copies on 128-row chunks).
                 j = bisect.bisect_right(firsts, t0) - 1
@@ -277,13 +283,7 @@ def gather_targets(
 
         _run_split(copy, N, out.nbytes)
     # Fillers: no route, or a row the record marks invalid (zeros there would pass for expert 0).
-    none = rec < 0
-    if used.size:
-        valid_cat = np.concatenate([records[i].valid for i in range(int(used.max()) + 1)])
-        voffs = np.zeros(int(used.max()) + 2, np.int64)
-        np.cumsum([records[i].num_tokens for i in range(int(used.max()) + 1)], out=voffs[1:])
-        mapped = ~none
-        none[mapped] = ~valid_cat[voffs[rec[mapped]] + tok[mapped]]
+    none = ~routed
     fill_idx = np.flatnonzero(none)
     if fill_idx.size:
         out[:, fill_idx] = filler_experts(

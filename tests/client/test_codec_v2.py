@@ -25,6 +25,7 @@ from routereplay.client import (
     RouteVersionError,
     decode_record,
     encode_record,
+    expert_dtype,
 )
 from routereplay.client import _codec as C
 from routereplay.client._layout import parse_manifest, read_records
@@ -97,7 +98,7 @@ def test_every_transform_round_trips_every_byte(
     E: int, M: int, T: int, K: int, keep: float, seed: int
 ) -> None:
     rng = np.random.default_rng(seed)
-    dt = C.expert_dtype(E)
+    dt = expert_dtype(E)
     x = rng.integers(0, E, (M, T, K)).astype(dt)
     for t in range(1, T):  # slots that keep the previous token's expert
         same = rng.random((M, K)) < keep
