@@ -54,8 +54,11 @@ _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 # so a long completion does not stall the event loop that serves other requests.
 _OFFLOAD_BYTES = 256 * 1024
 # Chunks per GET round trip of a read: while one batch's replies arrive, the decode threads
-# work on the previous ones (~5 MB of replies per batch at a Qwen3-235B-like shape).
+# work on the previous ones (~5 MB of replies per batch at a Qwen3-235B-like shape). The first
+# batches are smaller (64, 128, then 256) so the decode threads start sooner (~5% off a 256k-token
+# step's read, bench trainer).
 _GET_BATCH = 256
+_FIRST_GET_BATCH = 64
 
 
 def default_decode_threads() -> int:
@@ -176,9 +179,11 @@ def _get_many(
     plan = plan_read(ids, blobs, start)
     digests = plan.digests()
     dec = ChunkDecoder(pool, parts)
-    for i in range(0, len(digests), _GET_BATCH):
-        batch = digests[i : i + _GET_BATCH]
+    i, size = 0, min(_FIRST_GET_BATCH, _GET_BATCH)
+    while i < len(digests):
+        batch = digests[i : i + size]
         dec.add(batch, (yield from _read([keys.chunk(d) for d in batch], mget)))
+        i, size = i + size, min(2 * size, _GET_BATCH)
     return assemble_read(plan, dec)
 
 

@@ -450,12 +450,15 @@ def test_reads_in_batches_on_decode_threads_give_the_same_results(
     # r6's last chunk holds r0's (a content-address mismatch)
     raw.set(s.keys.chunk(m6.digests[-1]), raw.get(s.keys.chunk(m0.digests[-1])), keepttl=True)
 
-    monkeypatch.setattr(_store, "_GET_BATCH", 5)  # 5 chunks per round trip: many batches
+    # Round trips of 2, 4, then 5 chunks: many batches, growing as reads do.
+    monkeypatch.setattr(_store, "_FIRST_GET_BATCH", 2)
+    monkeypatch.setattr(_store, "_GET_BATCH", 5)
     got = s.get_many(ids, return_exceptions=True, missing_ok=True)
     got_tail = s.get_many(ids, start=22, return_exceptions=True, missing_ok=True)
     if threads > 1:
         assert s._pool is not None  # the pool really ran
-    monkeypatch.setattr(_store, "_GET_BATCH", 1 << 20)
+    monkeypatch.setattr(_store, "_GET_BATCH", 1 << 20)  # the reference: one batch
+    monkeypatch.setattr(_store, "_FIRST_GET_BATCH", 1 << 20)
     ref = closing(RouteStore.from_url(redis_url, prefix=p, block_size=4, decode_threads=1))
     want = ref.get_many(ids, return_exceptions=True, missing_ok=True)
     want_tail = ref.get_many(ids, start=22, return_exceptions=True, missing_ok=True)
