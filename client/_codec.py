@@ -262,7 +262,15 @@ def _ungaps(g: np.ndarray) -> np.ndarray:
 
 
 def _entropy_bits(sample: np.ndarray) -> float:
-    counts = np.bincount(sample, minlength=256).astype(np.float64)
+    # The compiled histogram (the same counts as bincount, so the same choice), unless this is
+    # the numpy fallback or an extension built from an older source.
+    hist_u8 = getattr(_KERNEL, "hist_u8", None)
+    if hist_u8 is not None:
+        hist = np.empty(256, np.int64)
+        hist_u8(np.ascontiguousarray(sample), hist)
+        counts = hist.astype(np.float64)
+    else:
+        counts = np.bincount(sample, minlength=256).astype(np.float64)
     p = counts[counts > 0] / sample.size
     return float(-(p * np.log2(p)).sum()) * sample.size
 
@@ -376,8 +384,10 @@ def _value_bounds(changed: np.ndarray) -> list[int]:
     return np.cumsum(changed.reshape(changed.shape[0], -1).sum(axis=1))[:-1].tolist()
 
 
-def _keep_cost(lm: np.ndarray, per_layer: bool) -> float:
-    changed, values = _keep_split(lm)
+def _keep_cost(
+    lm: np.ndarray, per_layer: bool, split: tuple[np.ndarray, np.ndarray] | None = None
+) -> float:
+    changed, values = _keep_split(lm) if split is None else split
     p = float(changed.mean())
     bits = 0.0 if p in (0.0, 1.0) else -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
     if per_layer:
@@ -414,10 +424,16 @@ def _plane_segments(a: np.ndarray, per_layer: bool, bounds: list[int]) -> list[b
     return segs
 
 
-def _row_segments(xf: int, lm: np.ndarray, per_layer: bool) -> list[bytes]:
-    """The compression segments of layer-major rows ``lm`` under row transform ``xf``."""
+def _row_segments(
+    xf: int,
+    lm: np.ndarray,
+    per_layer: bool,
+    split: tuple[np.ndarray, np.ndarray] | None = None,
+) -> list[bytes]:
+    """The compression segments of layer-major rows ``lm`` under row transform ``xf``
+    (``split``: ``_keep_split(lm)`` when the caller has it already)."""
     if xf == XF_KEEP:
-        changed, values = _keep_split(lm)
+        changed, values = _keep_split(lm) if split is None else split
         segs = [np.packbits(changed.reshape(-1)).tobytes()]
         return segs + _plane_segments(values, per_layer, _value_bounds(changed))
     if xf == XF_TOKENS:  # one table: token order mixes the layers
@@ -467,13 +483,23 @@ def encode_body(
         candidates += [XF_DELTA, XF_KEEP]  # slots kept in place; kept slots + skewed new ids
     if canonical_order:
         candidates.append(XF_GAPS)  # sorted rows without locality
+    keep_split = None
     if transform is not None:
         if transform not in (*candidates, XF_TOKENS):
             raise ValueError(f"row transform {transform} does not apply to this block")
         xf = transform
     elif experts_lm.size and len(candidates) > 1:
         sample = _sample_tokens(experts_lm)
-        est = {x: _transform_cost(x, sample, per_layer) for x in candidates}
+        est = {}
+        for x in candidates:
+            if x == XF_KEEP:
+                split = _keep_split(sample)
+                # A store chunk is its own sample: its split is kept for the encode (a fifth of
+                # a chunk's encode time).
+                keep_split = split if sample is experts_lm else None
+                est[x] = _keep_cost(sample, per_layer, split)
+            else:
+                est[x] = _transform_cost(x, sample, per_layer)
         xf = min(est, key=est.__getitem__)
         # Plain decodes fastest (zstd alone); a transform must save >= 1% to be worth its
         # decode pass. On uniform routes every estimate is within sampling noise of plain.
@@ -494,7 +520,7 @@ def encode_body(
             _compress(_row_segments(XF_TOKENS, trial, False))
         ) < 0.97 * len(_compress(_row_segments(xf, trial, False))):
             xf = XF_TOKENS
-    segments = [head, *_row_segments(xf, experts_lm, per_layer)]
+    segments = [head, *_row_segments(xf, experts_lm, per_layer, keep_split)]
     body = _compress(segments)
     if trial is experts_lm:
         alt = [head, *_row_segments(XF_TOKENS, experts_lm, False)]

@@ -373,3 +373,34 @@ def test_store_chunks_in_the_tokens_order_verify_against_their_addresses() -> No
     assert got == rec
     with pytest.raises(RouteCorruptError, match="does not match its address"):
         decode_chunk(m.digests[1], chunks[m.digests[0]])
+
+
+def test_the_compiled_histogram_counts_as_bincount_and_encodes_the_same_bytes() -> None:
+    """The encoder's entropy estimates histogram with the C loop where built: same counts, so
+    the same transform choices and the same bytes as the numpy fallback."""
+    rng = np.random.default_rng(11)
+    hist = np.empty(256, np.int64)
+    for n in (0, 1, 3, 4, 5, 255, 4097, 49_157):
+        a = rng.integers(0, 256, n).astype(np.uint8)
+        C._KERNEL.hist_u8(a, hist)
+        assert np.array_equal(hist, np.bincount(a, minlength=256)), n
+    C._KERNEL.hist_u8(np.full(1000, 7, np.uint8), hist)
+    assert hist[7] == 1000 and hist.sum() == 1000
+    with pytest.raises(ValueError, match="256 int64"):
+        C._KERNEL.hist_u8(b"abc", np.empty(255, np.int64))
+    from routereplay.client._layout import KeySchema, plan_put
+
+    recs = [
+        *make_records().values(),
+        _skewed_record(600, 4, 16, 2),
+        _context_routes(600, 4, 16, 2, 0),
+    ]
+    for rec in recs:
+        blobs = []
+        for kernel in _kernels():
+            with kernel:
+                plan = plan_put(KeySchema("t"), "r", rec, 128)
+                blobs.append(
+                    [encode_record(rec), *(plan.chunk_blob(i) for i in range(len(plan.chunk_keys)))]
+                )
+        assert blobs[0] == blobs[1]
