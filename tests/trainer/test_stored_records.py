@@ -74,7 +74,7 @@ def test_gather_from_chunks_equals_gather_from_joined_rows(
 ):
     """``threads=3``: the copies split over three threads, as they are for large outputs (the
     ranges cut runs of one record, and chunk boundaries, anywhere)."""
-    split = mock.patch.multiple(_targets, _SPLIT_BYTES=0, _copy_threads=lambda: threads)
+    split = mock.patch.multiple(_targets, _SPLIT_BYTES=0, default_decode_threads=lambda: threads)
     with split:
         _gather_from_chunks_equals_gather_from_joined_rows(lens, block, cp, tp, layers, seed)
 
@@ -98,6 +98,10 @@ def _gather_from_chunks_equals_gather_from_joined_rows(lens, block, cp, tp, laye
             want = gather_targets(loc, plain, layers)
             np.testing.assert_array_equal(got.experts, want.experts)
             np.testing.assert_array_equal(got.valid, want.valid)
+            # And equal to one thread's copy (both above ran the same split).
+            with mock.patch.object(_targets, "_SPLIT_BYTES", 1 << 62):
+                one = gather_targets(loc, plain, layers)
+            np.testing.assert_array_equal(got.experts, one.experts)
     # The gathers read the chunks: no record was joined.
     for s, r in zip(stored, recs, strict=True):
         assert s._parts is not None and len(s._parts) == -(-r.num_tokens // block)
