@@ -29,7 +29,7 @@ from ._layout import (
     validate_route_id,
 )
 from ._record import RouteRecord, WeightSpan, expert_dtype
-from ._store import AsyncRouteStore, RouteStore
+from ._store import AsyncRouteStore, RouteStore, default_decode_threads
 
 __all__ = [
     "BATCH_MEDIA_TYPE",
@@ -60,6 +60,7 @@ __all__ = [
     "WeightSpan",
     "codec_kernel",
     "decode_record",
+    "default_decode_threads",
     "encode_record",
     "expert_dtype",
     "validate_route_id",

@@ -56,7 +56,7 @@ from ._errors import (
     RouteTruncatedError,
     RouteVersionError,
 )
-from ._record import RouteRecord
+from ._record import RouteRecord, expert_dtype
 
 try:  # compiled inner loops (client/_ckernel.c); optional, the numpy paths give the same bytes
     from . import _ckernel as _KERNEL
@@ -540,7 +540,6 @@ def encode_body(
 
 
 _INT = {int}
-_U8, _U16 = np.dtype(np.uint8), np.dtype(np.uint16)  # expert_dtype's two answers
 
 
 def decode_body(p: dict[str, Any], what: str) -> Block:
@@ -563,7 +562,7 @@ def decode_body(p: dict[str, Any], what: str) -> Block:
         raise RouteCorruptError(f"{what}: payload size fields or body have the wrong type")
     if min(T, M, K, raw_len) < 0 or not 1 <= E <= 65536:
         raise RouteCorruptError(f"{what}: size field out of range (T={T}, M={M}, K={K}, E={E})")
-    dtype = _U8 if E <= 256 else _U16
+    dtype = expert_dtype(E)
     try:
         raw = _zd().decompress(body, max_output_size=raw_len)
     except zstandard.ZstdError as exc:

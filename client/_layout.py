@@ -338,9 +338,9 @@ def decode_chunk(digest: bytes, blob: bytes) -> Block:
     # covers every byte a reader uses: its frame checksum is computed only to name the cause
     # when a check fails (a third of the read's hashing, bench trainer), or when it has no chain.
     p = unframe(blob, KIND_CHUNK, what, check_crc=False)
+    if p.get("pc") is None:
+        check_crc(blob, what)
     try:
-        if p.get("pc") is None:
-            check_crc(blob, what)
         block = decode_body(p, what)
         chain = None
         if block.prev_chain is not None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from routereplay.client import RouteRecord, expert_dtype
+from routereplay.client import RouteRecord, default_decode_threads, expert_dtype
 
 from ._position_map import PositionMap
 from .errors import RouteLayerMismatchError, TargetShapeError
@@ -126,19 +126,12 @@ _pool_pid = 0
 _pool_lock = threading.Lock()
 
 
-def _copy_threads() -> int:
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        n = os.cpu_count() or 1
-    return max(1, min(4, n))
-
-
 def _run_split(fn: Callable[[int, int], None], n: int, nbytes: int) -> None:
     """``fn(lo, hi)`` over ``0..n``: at once, or in even ranges on a few threads when the output
     is large (the ranges write disjoint rows)."""
     global _pool, _pool_pid
-    parts = _copy_threads() if nbytes >= _SPLIT_BYTES else 1
+    # As many threads as a store decodes on: the step's copy follows its decoding on that host.
+    parts = default_decode_threads() if nbytes >= _SPLIT_BYTES else 1
     if parts < 2 or n < 2 * parts:
         fn(0, n)
         return
