@@ -90,7 +90,12 @@ def run(url: str, args) -> dict:
 
     from routereplay.bench.store import vllm_inline
     from routereplay.client import RouteRecord, RouteStore, codec_kernel
-    from routereplay.trainer_adapter import gather_targets, sample_from_record, thd_position_map
+    from routereplay.trainer_adapter import (
+        ReplayTargets,
+        gather_targets,
+        sample_from_record,
+        thd_position_map,
+    )
 
     torch.set_num_threads(1)
     rng = np.random.default_rng(args.seed)
@@ -179,7 +184,42 @@ def run(url: str, args) -> dict:
     floor_s, blob = _timeit(floor, args.repeat)
 
     # -- a training step: time added with and without prefetch ----------------------------------
-    step = _step_overhead(prepare, args.step_s, args.steps) if args.step_s > 0 else {}
+    # The training step: on a GPU the step's targets are gathered into page-locked memory where
+    # they are prepared (gather_targets(pin_memory=True), in the Prefetcher's thread), and
+    # installed (ReplayTargets.to_torch, what the replayer does) on the step's thread.
+    on_gpu = args.step_device != "cpu"
+
+    def prepare_step(_step: object = None) -> ReplayTargets:
+        r = fetch()
+        return gather_targets(align(r).local(), r, layers, pin_memory=on_gpu)
+
+    def install(tg: ReplayTargets) -> object:
+        return tg.to_torch(args.step_device) if on_gpu else tg
+
+    install_s = install_pageable_s = None
+    if on_gpu:
+        import torch.cuda
+
+        def timed_install(tg: ReplayTargets) -> float:
+            best = float("inf")
+            for _ in range(args.repeat):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                install(tg)  # the thread's share; the copy runs on the GPU's stream
+                best = min(best, time.perf_counter() - t0)
+            torch.cuda.synchronize()
+            return best
+
+        pinned = prepare_step()
+        install_s = timed_install(pinned)
+        pageable = ReplayTargets(pinned.layers, pinned.experts.copy(), pinned.num_experts)
+        install_pageable_s = timed_install(pageable)
+        assert torch.equal(pinned.to_torch(args.step_device).cpu(), t.to(torch.int64))
+    step = (
+        _step_overhead(prepare_step, install, args.step_s, args.steps, args.step_device)
+        if args.step_s > 0
+        else {}
+    )
     store.close()
     return {
         "tokens": n_tokens,
@@ -199,6 +239,8 @@ def run(url: str, args) -> dict:
         "end_to_end_tokens_per_s": n_tokens / e2e_s,
         "end_to_end_one_thread_s": e2e1_s,
         "tp2_sp_rank_gather_s": sp_s,
+        "install_on_gpu_s": install_s,
+        "install_on_gpu_pageable_s": install_pageable_s,
         "peer_inline_json_s": peer_s,
         "floor_redis_get_copy_s": floor_s,
         "stored_mb": len(blob) / 1e6,
@@ -211,36 +253,58 @@ def run(url: str, args) -> dict:
     }
 
 
-def _compute(seconds: float) -> None:
-    """A stand-in for a training step's compute: matrix products on this thread for ``seconds``
-    (torch releases the GIL inside them, as a trainer's thread does while it waits for its GPU)."""
+def _compute(seconds: float, device: str = "cpu") -> None:
+    """A stand-in for a training step's compute on this thread for ``seconds``: matrix products
+    on the CPU (torch releases the GIL inside them), or on the GPU, where the thread waits in
+    CUDA synchronisation with the GIL released, as a trainer's thread does."""
     import torch
 
-    a = torch.randn(384, 384)
+    n = 384 if device == "cpu" else 8192
+    a = torch.randn(n, n, device=device)
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         a = torch.tanh(a @ a)
+        if device != "cpu":
+            torch.cuda.synchronize()
 
 
-def _step_overhead(prepare: Callable[[object], object], step_s: float, steps: int) -> dict:
+def _step_overhead(
+    prepare: Callable[[object], object],
+    install: Callable[[object], object],
+    step_s: float,
+    steps: int,
+    device: str,
+) -> dict:
     """Mean step time of ``steps`` steps: compute only; compute after preparing the step's
-    targets (serial); compute while the next step's targets are prepared (Prefetcher)."""
+    targets (serial); compute while the next step's targets are prepared (Prefetcher). Both
+    prepared variants then install the step's targets on ``device`` on the step's thread
+    (``install``: the host-to-GPU copy, nothing on a CPU)."""
     from routereplay.trainer_adapter import Prefetcher
 
-    def mean_step(run_one: Callable[[], None]) -> float:
+    def mean_step(run_one: Callable[[], object]) -> float:
         t0 = time.perf_counter()
         for _ in range(steps):
             run_one()
         return (time.perf_counter() - t0) / steps
 
-    base = mean_step(lambda: _compute(step_s))
-    serial = mean_step(lambda: (prepare(), _compute(step_s)))
+    _compute(0.1, device)  # warm-up: the first GPU products pay for library setup
+    base = mean_step(lambda: _compute(step_s, device))
+    serial = mean_step(lambda: (install(prepare()), _compute(step_s, device)))
     with Prefetcher(prepare, range(steps + 1), depth=1) as pf:
-        next(pf)  # step 0's targets: prepared before the loop, as a trainer's first step waits
-        pre = mean_step(lambda: (_compute(step_s), next(pf)))
+        # Step 0's targets: prepared before the loop, as a trainer's first step waits. Each
+        # step installs its targets, computes, then takes the next step's (prepared meanwhile).
+        current = [next(pf)]
+
+        def prefetched_step() -> None:
+            install(current[0])
+            _compute(step_s, device)
+            current[0] = next(pf)
+
+        pre = mean_step(prefetched_step)
     return {
         "step_s": step_s,
         "steps": steps,
+        "step_device": device,
         "step_compute_only_s": base,
         "step_serial_s": serial,
         "step_prefetch_s": pre,
@@ -268,10 +332,23 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument("--steps", type=int, default=3, help="simulated steps per variant")
     p.add_argument(
+        "--step-device", default="cpu",
+        help="where the simulated step computes and the targets are installed: cpu, or a CUDA "
+        "device (cuda, cuda:1), which adds the host-to-GPU copy of each step's targets",
+    )  # fmt: skip
+    p.add_argument(
         "--decode-threads", type=int, default=None,
         help="the store's decode threads (default: its own, the CPUs up to 4)",
     )  # fmt: skip
     args = p.parse_args(argv)
+    if args.step_device != "cpu":
+        import torch
+
+        if not args.step_device.startswith("cuda") or not torch.cuda.is_available():
+            p.error(
+                f"--step-device {args.step_device!r}: expected cpu or an available CUDA device "
+                f"(torch sees {torch.cuda.device_count()} GPUs)"
+            )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     if args.redis_url:
@@ -315,10 +392,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{res['ours_one_thread_over_floor']:.2f}x  [{os.cpu_count()} CPUs, codec kernel: "
         f"{res['codec_kernel']}]"
     )
+    if res["install_on_gpu_s"] is not None:
+        print(
+            f"  {'install on ' + args.step_device:30s} {res['install_on_gpu_s']:8.4f} s  "
+            f"(the step's thread; from pageable targets: {res['install_on_gpu_pageable_s']:.4f} s)"
+        )
     if "step_s" in res:
         print(
-            f"  a {res['step_s']:.1f} s training step ({res['steps']} steps each, compute on the "
-            f"main thread): compute only {res['step_compute_only_s']:.3f} s; prepare then compute "
+            f"  a {res['step_s']:.1f} s training step on {res['step_device']} ({res['steps']} "
+            "steps each, compute and install on the main thread): compute only "
+            f"{res['step_compute_only_s']:.3f} s; prepare then compute "
             f"{res['step_serial_s']:.3f} s (+{res['added_serial_pct']:.1f}%); with Prefetcher "
             f"{res['step_prefetch_s']:.3f} s (+{res['added_prefetch_pct']:.2f}%, target < 1%)"
         )

@@ -6,7 +6,7 @@
 # .device/redis (copied from this machine: tests/gpu/carry_redis.sh), and the C kernel built
 # there with its gcc when it has one (else the numpy fallback, which `bench` prints).
 # DEV=cpu SKIP_INSTALL=1 PY=.venv/bin/python rehearses it here.
-set -u
+set -u -o pipefail  # a failing benchmark fails the run, through tee
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 OUT=${OUT:-/tmp/rr-out}
@@ -19,10 +19,17 @@ export PYTHONPATH=/tmp/rr:/tmp/site
 nproc
 $PY -P -c 'import routereplay.client as c; print("codec kernel:", c.codec_kernel())'
 fail=0
+if [ "$(command -v nvidia-smi)" ]; then
+  $PY -P tests/gpu/pinned_check.py | tee "$OUT/pinned-check.txt" || fail=1
+fi
+# The simulated step computes on the GPU and installs each step's targets there (to_torch),
+# where the machine has one.
+SD=${STEP_DEVICE:-$(command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)}
 for th in ${THREADS:-1 4 8}; do
   $PY -P -m routereplay.cli bench trainer --step-s "${STEP_S:-2}" --repeat 5 --decode-threads "$th" \
-    --json | tee "$OUT/bench-trainer-$th.txt" || fail=1
+    --step-device "$SD" --json | tee "$OUT/bench-trainer-$th.txt" || fail=1
 done
+$PY -P tests/gpu/decode_scaling.py | tee "$OUT/decode-scaling.txt" || fail=1
 if [ -z "${NO_STORE:-}" ]; then
   $PY -P -m routereplay.cli bench store --tokens 4096 --repeat 5 --capacity-groups 2 \
     | tee "$OUT/bench-store.txt" || fail=1

@@ -280,3 +280,27 @@ def test_property_local_targets_equal_naive_lookup(lens, pad, cp, tp, seed):
             np.testing.assert_array_equal(tg.experts, naive_truth(loc, recs, (2, 5)))
             seen.append(loc.position.ravel())
     assert sorted(np.concatenate(seen).tolist()) == list(range(int(cup[-1])))
+
+
+def test_pinned_targets_need_cuda_and_must_be_the_arrays_tensor(rng):
+    """The page-locked output is refused, by name, where torch has no accelerator (tests/gpu/
+    pinned_check.py runs it on one); a ReplayTargets whose ``pinned`` is not the tensor its
+    ``experts`` views is refused, since to_torch would copy other rows to the GPU."""
+    import torch
+
+    from routereplay.trainer_adapter import ReplayConfigError, ReplayTargets, TargetShapeError
+
+    recs = [make_record(rng, rng.integers(0, 999, n)) for n in (5, 8)]
+    pm = padded_position_map([sample_from_record(i, r) for i, r in enumerate(recs)], 8)
+    if not torch.cuda.is_available():
+        with pytest.raises(ReplayConfigError, match=r"pin_memory=True\) needs an accelerator"):
+            gather_targets(pm, recs, MOE, pin_memory=True)
+    tg = gather_targets(pm, recs, MOE)
+    assert tg.pinned is None
+    own = torch.from_numpy(tg.experts)
+    ok = ReplayTargets(tg.layers, tg.experts, E, pinned=own)  # the same memory: accepted
+    assert ok.pinned is own and torch.equal(ok.to_torch(), own.to(torch.int64))
+    with pytest.raises(TargetShapeError, match="pinned must be the tensor"):
+        ReplayTargets(tg.layers, tg.experts, E, pinned=own.clone())
+    with pytest.raises(TargetShapeError, match="pinned must be the tensor"):
+        ReplayTargets(tg.layers, tg.experts[:, :4], E, pinned=own)

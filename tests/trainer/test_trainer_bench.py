@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from routereplay.bench.trainer import main
 
 
@@ -24,3 +26,13 @@ def test_bench_trainer_small(redis_url, capsys):
         assert res[key] > 0, key
     assert res["decode_threads"] == 2 and res["codec_kernel"] == "compiled"
     assert res["step_prefetch_s"] > 0 and "added_serial_pct" in res, sorted(res)
+    # On a CPU nothing is installed: the step's part is the preparation alone.
+    assert res["step_device"] == "cpu" and res["install_on_gpu_s"] is None
+
+
+def test_bench_trainer_refuses_a_device_it_cannot_use(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--step-device", "tpu"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--step-device 'tpu': expected cpu or an available CUDA device" in err
