@@ -102,7 +102,9 @@ def run(url: str, args) -> dict:
     records, groups = _make_records(rng, args)
     n_tokens = sum(r.num_tokens for r in records)
     ids = [f"bench-{i}" for i in range(len(records))]
-    store = RouteStore.from_url(url, prefix="rrbench", decode_threads=args.decode_threads)
+    store = RouteStore.from_url(
+        url, prefix="rrbench", decode_threads=args.decode_threads, block_size=args.block_size
+    )
     t0 = time.perf_counter()
     for i, r in zip(ids, records, strict=True):
         store.put(i, r)
@@ -136,7 +138,9 @@ def run(url: str, args) -> dict:
 
     e2e_s, _ = _timeit(prepare, args.repeat)
     # The same preparation with the chunks decoded on the calling thread only.
-    serial_store = RouteStore.from_url(url, prefix="rrbench", decode_threads=1)
+    serial_store = RouteStore.from_url(
+        url, prefix="rrbench", decode_threads=1, block_size=args.block_size
+    )
     e2e1_s, t1 = _timeit(lambda: gather(align(r := serial_store.get_many(ids)), r), args.repeat)
     serial_store.close()
     assert tuple(t.shape) == (args.layers, n_tokens, args.topk), t.shape
@@ -224,6 +228,8 @@ def run(url: str, args) -> dict:
     return {
         "tokens": n_tokens,
         "records": len(records),
+        "block_size": args.block_size,
+        "chunks_read": len(store.get_raw(ids).chunks),
         "groups": groups,
         "layers": args.layers,
         "experts": args.experts,
@@ -337,10 +343,21 @@ def main(argv: list[str] | None = None) -> int:
         "device (cuda, cuda:1), which adds the host-to-GPU copy of each step's targets",
     )  # fmt: skip
     p.add_argument(
+        "--block-size", type=int, default=None,
+        help="tokens per stored chunk (default: the store's, 128); fewer, larger chunks cost "
+        "less per step to read, at the price of coarser prefix sharing and prefix-cache fills",
+    )  # fmt: skip
+    p.add_argument(
         "--decode-threads", type=int, default=None,
         help="the store's decode threads (default: its own, the CPUs up to 4)",
     )  # fmt: skip
     args = p.parse_args(argv)
+    if args.block_size is None:
+        from routereplay.client import DEFAULT_BLOCK_SIZE
+
+        args.block_size = DEFAULT_BLOCK_SIZE
+    elif args.block_size < 1:
+        p.error(f"--block-size must be >= 1, got {args.block_size}")
     if args.step_device != "cpu":
         import torch
 
@@ -362,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"routereplay bench trainer: {n} tokens in {res['records']} records "
         f"({res['groups']} GRPO groups of {args.group}), {args.layers} MoE layers, "
-        f"{args.experts} experts, top-{args.topk}; targets {res['raw_mb']:.0f} MB (compact)"
+        f"{args.experts} experts, top-{args.topk}; targets {res['raw_mb']:.0f} MB (compact); "
+        f"{res['chunks_read']} distinct chunks of {res['block_size']} tokens"
     )
     print(f"  put (setup, not per step)      {res['put_s']:8.3f} s")
     th = res["decode_threads"]

@@ -13,7 +13,7 @@ def test_bench_trainer_small(redis_url, capsys):
     argv = ["--tokens", "4096", "--layers", "4", "--experts", "64", "--topk", "4",
             "--prompt-len", "64", "--completion-len", "256", "--repeat", "1",
             "--redis-url", redis_url, "--json", "--step-s", "0.2", "--steps", "2",
-            "--decode-threads", "2"]  # fmt: skip
+            "--decode-threads", "2", "--block-size", "64"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "END TO END per step" in out
@@ -25,6 +25,10 @@ def test_bench_trainer_small(redis_url, capsys):
                 "peer_over_ours_one_thread", "ours_one_thread_over_floor"):  # fmt: skip
         assert res[key] > 0, key
     assert res["decode_threads"] == 2 and res["codec_kernel"] == "compiled"
+    # Written in blocks of 64: records of 192 to 447 tokens span 3 to 7 chunks each, and the
+    # 64-token prompt is one chunk shared by its group of 8 (at 128 they would span 2 to 4).
+    assert res["block_size"] == 64 and "distinct chunks of 64 tokens" in out
+    assert res["chunks_read"] >= 3 * res["records"] - 7 * res["groups"], res["chunks_read"]
     assert res["step_prefetch_s"] > 0 and "added_serial_pct" in res, sorted(res)
     # On a CPU nothing is installed: the step's part is the preparation alone.
     assert res["step_device"] == "cpu" and res["install_on_gpu_s"] is None
@@ -36,3 +40,6 @@ def test_bench_trainer_refuses_a_device_it_cannot_use(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--step-device 'tpu': expected cpu or an available CUDA device" in err
+    with pytest.raises(SystemExit):
+        main(["--block-size", "0"])
+    assert "--block-size must be >= 1, got 0" in capsys.readouterr().err
