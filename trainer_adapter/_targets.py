@@ -78,7 +78,9 @@ class ReplayTargets:
             )
         p = self.pinned
         if p is not None and (
-            p.data_ptr() != self.experts.ctypes.data or tuple(p.shape) != self.experts.shape
+            tuple(p.shape) != self.experts.shape
+            # (empty arrays have no address to compare)
+            or (self.experts.size and p.data_ptr() != self.experts.ctypes.data)
         ):
             raise TargetShapeError("pinned must be the tensor that experts is a view of")
 

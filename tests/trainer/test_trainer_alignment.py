@@ -304,3 +304,6 @@ def test_pinned_targets_need_cuda_and_must_be_the_arrays_tensor(rng):
         ReplayTargets(tg.layers, tg.experts, E, pinned=own.clone())
     with pytest.raises(TargetShapeError, match="pinned must be the tensor"):
         ReplayTargets(tg.layers, tg.experts[:, :4], E, pinned=own)
+    # A rank with no rows: torch gives an empty tensor no address, numpy one; still accepted.
+    empty = torch.empty(0, dtype=torch.uint8).view(len(MOE), 0, K)
+    assert ReplayTargets(tg.layers, empty.numpy(), E, pinned=empty).num_tokens == 0
