@@ -29,7 +29,8 @@ from ._layout import (
     validate_route_id,
 )
 from ._record import RouteRecord, WeightSpan, expert_dtype
-from ._store import AsyncRouteStore, RouteStore, default_decode_threads
+from ._store import AsyncRouteStore, RouteStore
+from ._threads import default_decode_threads
 
 __all__ = [
     "BATCH_MEDIA_TYPE",

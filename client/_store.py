@@ -46,6 +46,7 @@ from ._layout import (
     validate_route_id,
 )
 from ._record import RouteRecord
+from ._threads import default_decode_threads
 
 __all__ = ["AsyncRouteStore", "RouteStore"]
 
@@ -59,16 +60,6 @@ _OFFLOAD_BYTES = 256 * 1024
 # step's read, bench trainer).
 _GET_BATCH = 256
 _FIRST_GET_BATCH = 64
-
-
-def default_decode_threads() -> int:
-    """Decode threads a store uses unless told: the CPUs this process may run on, up to 4
-    (a trainer host runs one reader per GPU)."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        n = os.cpu_count() or 1
-    return max(1, min(4, n))
 
 
 def _split_url(url: str, cluster: bool | None) -> tuple[str, bool]:

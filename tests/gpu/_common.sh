@@ -28,12 +28,14 @@ stage_package() {
       || echo "no C kernel built: the codec decodes with numpy"
     return 0
   fi
-  cp client/_errors.py client/_record.py client/_codec.py /tmp/rr/routereplay/client/
+  cp client/_errors.py client/_record.py client/_codec.py client/_threads.py \
+    /tmp/rr/routereplay/client/
   cat > /tmp/rr/routereplay/client/__init__.py <<'PY'
 """routereplay.client (the GPU subset: records and their codec)."""
 from ._codec import decode_record, encode_record  # noqa: F401
 from ._errors import *  # noqa: F403
 from ._record import RouteRecord, WeightSpan, expert_dtype  # noqa: F401
+from ._threads import default_decode_threads  # noqa: F401
 PY
 }
 

@@ -503,6 +503,10 @@ def main(argv=None) -> int:
         help="RouterReplayer(path=...): legacy forces the 0.12-0.15 path on a newer release",
     )  # fmt: skip
     p.add_argument(
+        "--pin-memory", action="store_true",
+        help="gather the targets into page-locked memory (gather_targets(pin_memory=True))",
+    )  # fmt: skip
+    p.add_argument(
         "--no-cuda", action="store_true",
         help="make every torch.cuda call from routereplay's code raise (device-agnostic proof)",
     )  # fmt: skip
@@ -606,7 +610,8 @@ def main(argv=None) -> int:
             sequence_parallel=args.sp,
             cu_seqlens_padded=cup,
         )
-        targets = gather_targets(local, recs, replayer.layers)
+        targets = gather_targets(local, recs, replayer.layers, pin_memory=args.pin_memory)
+        assert (targets.pinned is not None) == args.pin_memory
         B, S = pm.shape
         rows = megatron_rows(args, B, S, cup)
         truth = truth_experts(pm, recs)[:, rows]  # [M_all, N_local, K]

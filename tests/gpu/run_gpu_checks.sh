@@ -32,7 +32,10 @@ run gpu2_cp2_thd             2 --cp 2
 run gpu2_pp2_1f1b            2 --pp 2 --micro-batches 4
 run gpu2_pp2_vpp2_selective  2 --pp 2 --vpp 2 --micro-batches 4 --recompute selective
 run gpu2_pp2_vpp2_padded     2 --pp 2 --vpp 2 --micro-batches 4 --layout padded
-[ "$DEV" = cuda ] || { echo "CPU rehearsal: alltoall needs CUDA streams, skipped"; finish; }
+[ "$DEV" = cuda ] || { echo "CPU rehearsal: alltoall and pinned targets need CUDA, skipped"; finish; }
+# Targets gathered into page-locked memory (gather_targets(pin_memory=True)), installed from it.
+run gpu1_thd_pinned_sel      1 --recompute selective --pin-memory
+run gpu2_tp2_sp_pinned       2 --tp 2 --sp --layout padded --pin-memory
 run gpu2_ep2_alltoall_thd    2 --ep 2 --dispatcher alltoall
 run gpu2_ep2_alltoall_sel    2 --ep 2 --dispatcher alltoall --recompute selective --layout padded
 # Issue 5: four GPUs (skipped on fewer).
