@@ -256,8 +256,9 @@ def gather_targets(
     B, S = pmap.shape
     N = B * S
     M = len(layers)
-    # Batch-major output first: runs of consecutive rows are long there; reordered at the end.
-    pinned = _empty(M * N * top_k, dt, pin_memory)
+    # Batch-major output first: runs of consecutive rows are long there; reordered at the end
+    # (into the page-locked output, when B > 1: this one is then only scratch).
+    pinned = _empty(M * N * top_k, dt, pin_memory and B == 1)
     out = (pinned.numpy() if pinned is not None else np.empty(M * N * top_k, dt)).reshape(
         M, N, top_k
     )

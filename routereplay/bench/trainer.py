@@ -123,10 +123,12 @@ def run(url: str, args) -> dict:
         pm.check_tokens(recs, input_ids)
         return pm
 
-    def gather(pm, recs, cp=1, tp=1, cp_rank=0, tp_rank=0):
+    def targets(pm, recs, cp=1, tp=1, cp_rank=0, tp_rank=0, pin_memory=False) -> ReplayTargets:
         local = pm.local(cp_size=cp, cp_rank=cp_rank, tp_size=tp, tp_rank=tp_rank)
-        tg = gather_targets(local, recs, layers)
-        return torch.from_numpy(tg.experts)
+        return gather_targets(local, recs, layers, pin_memory=pin_memory)
+
+    def gather(pm, recs, **kw):
+        return torch.from_numpy(targets(pm, recs, **kw).experts)
 
     fetch_s, recs = _timeit(fetch, args.repeat)
     align_s, pm = _timeit(lambda: align(recs), args.repeat)
@@ -183,9 +185,9 @@ def run(url: str, args) -> dict:
     # Floor: the same stored bytes read from Redis (both round trips) and copied once.
     def floor():
         raw = store.get_raw(ids)
-        return b"".join([*raw.manifests.values(), *(c for c in raw.chunks.values() if c)])
+        return raw, b"".join([*raw.manifests.values(), *(c for c in raw.chunks.values() if c)])
 
-    floor_s, blob = _timeit(floor, args.repeat)
+    floor_s, (raw, blob) = _timeit(floor, args.repeat)
 
     # -- a training step: time added with and without prefetch ----------------------------------
     # The training step: on a GPU the step's targets are gathered into page-locked memory where
@@ -195,14 +197,13 @@ def run(url: str, args) -> dict:
 
     def prepare_step(_step: object = None) -> ReplayTargets:
         r = fetch()
-        return gather_targets(align(r).local(), r, layers, pin_memory=on_gpu)
+        return targets(align(r), r, pin_memory=on_gpu)
 
     def install(tg: ReplayTargets) -> object:
         return tg.to_torch(args.step_device) if on_gpu else tg
 
     install_s = install_pageable_s = None
     if on_gpu:
-        import torch.cuda
 
         def timed_install(tg: ReplayTargets) -> float:
             best = float("inf")
@@ -229,7 +230,7 @@ def run(url: str, args) -> dict:
         "tokens": n_tokens,
         "records": len(records),
         "block_size": args.block_size,
-        "chunks_read": len(store.get_raw(ids).chunks),
+        "chunks_read": len(raw.chunks),
         "groups": groups,
         "layers": args.layers,
         "experts": args.experts,
