@@ -26,6 +26,7 @@ from ._layout import (
     KeySchema,
     PutResult,
     StoredRecord,
+    batch_decoder,
     validate_route_id,
 )
 from ._record import RouteRecord, WeightSpan, expert_dtype
@@ -59,6 +60,7 @@ __all__ = [
     "RoutesClient",
     "StoredRecord",
     "WeightSpan",
+    "batch_decoder",
     "codec_kernel",
     "decode_record",
     "default_decode_threads",

@@ -10,11 +10,11 @@ __all__ = ["default_decode_threads"]
 
 
 def default_decode_threads() -> int:
-    """Decode threads a store uses unless told: the CPUs this process may run on, up to 4
-    (a trainer host runs one reader per GPU; on a 16-core host more threads were not faster,
-    docs/trainer.md)."""
+    """Decode threads a store uses unless told: the CPUs this process may run on, up to 8
+    (a trainer host runs one reader per GPU; on a 16-core host 8 threads read a 256k-token step
+    ~10% faster than 4 with the batch decoder, 16 no faster than 8: docs/trainer.md)."""
     try:
         n = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         n = os.cpu_count() or 1
-    return max(1, min(4, n))
+    return max(1, min(8, n))

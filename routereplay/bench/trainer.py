@@ -10,7 +10,7 @@ are fetched once), packed THD.
 
 Throughput is measured in one process with torch and numpy limited to one thread (the redis-server
 runs in its own process); the store decodes chunks on its default decode threads
-(``RouteStore(decode_threads=...)``, up to 4) and, for comparison, on the calling thread alone.
+(``RouteStore(decode_threads=...)``, up to 8) and, for comparison, on the calling thread alone.
 Prints a table; ``--json`` prints one JSON line as well.
 """
 
@@ -89,7 +89,7 @@ def run(url: str, args) -> dict:
     import torch
 
     from routereplay.bench.store import vllm_inline
-    from routereplay.client import RouteRecord, RouteStore, codec_kernel
+    from routereplay.client import RouteRecord, RouteStore, batch_decoder, codec_kernel
     from routereplay.trainer_adapter import (
         ReplayTargets,
         gather_targets,
@@ -236,6 +236,7 @@ def run(url: str, args) -> dict:
         "experts": args.experts,
         "top_k": args.topk,
         "codec_kernel": codec_kernel(),
+        "batch_decoder": batch_decoder() or "compiled",
         "raw_mb": n_tokens * args.layers * args.topk * t.element_size() / 1e6,
         "put_s": put_s,
         "fetch_decode_s": fetch_s,
@@ -350,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument(
         "--decode-threads", type=int, default=None,
-        help="the store's decode threads (default: its own, the CPUs up to 4)",
+        help="the store's decode threads (default: its own, the CPUs up to 8)",
     )  # fmt: skip
     args = p.parse_args(argv)
     if args.block_size is None:
@@ -409,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(target >= 3), ours / floor = {res['ours_over_floor']:.2f}x (target <= 2); one decode "
         f"thread: {res['peer_over_ours_one_thread']:.2f}x, "
         f"{res['ours_one_thread_over_floor']:.2f}x  [{os.cpu_count()} CPUs, codec kernel: "
-        f"{res['codec_kernel']}]"
+        f"{res['codec_kernel']}, batch decoder: {res['batch_decoder']}]"
     )
     if res["install_on_gpu_s"] is not None:
         print(

@@ -26,6 +26,17 @@ stage_package() {
     so=$(${PY:-python3} -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
     gcc -O3 -shared -fPIC -I"$inc" client/_ckernel.c -o "/tmp/rr/routereplay/client/_ckernel$so" \
       || echo "no C kernel built: the codec decodes with numpy"
+    gcc -O3 -shared -fPIC -I"$inc" client/_cbatch.c client/_vendor/blake2/blake2b-ref.c \
+      client/_vendor/blake3/{blake3,blake3_dispatch,blake3_portable,x86_sse2,x86_sse41,x86_avx2,x86_avx512,arm_neon}.c \
+      -ldl -o "/tmp/rr/routereplay/client/_cbatch$so" \
+      || echo "no batch decoder built: store reads decode chunks in Python"
+    # The batch decoder loads the system's libzstd; where the host has none, the copy that
+    # carry_redis.sh brought for redis-server (.device/redis/lib) serves.
+    if ! ${PY:-python3} -c 'import ctypes; ctypes.CDLL("libzstd.so.1")' 2>/dev/null \
+      && [ -e .device/redis/lib/libzstd.so.1 ]; then
+      mkdir -p /tmp/rr/lib && cp .device/redis/lib/libzstd.so.1 /tmp/rr/lib/
+      export LD_LIBRARY_PATH="/tmp/rr/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    fi
     return 0
   fi
   cp client/_errors.py client/_record.py client/_codec.py client/_threads.py \

@@ -1,7 +1,8 @@
 """How chunk decoding scales with threads on this host: zstd alone against the whole chunk
-decode (msgpack, zstd, rows, the blake3 address check; what RouteStore's decode threads run) and
-get_many, on bench trainer's default batch (1530 distinct chunks). Prints one line per thread
-count (DIAG_THREADS, default "1 2 4 8 16"). Diagnostic: run by tests/gpu/run_bench_host.sh."""
+decode (msgpack, zstd, rows, the blake3 address check; what RouteStore's decode threads run), by
+the compiled batch decoder and by the Python path, and get_many, on bench trainer's default
+batch (1530 distinct chunks). Prints one line per thread count (DIAG_THREADS, default
+"1 2 4 8 16"). Diagnostic: run by tests/gpu/run_bench_host.sh."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import zstandard
 from routereplay.bench.trainer import _make_records
 from routereplay.client import RouteStore
 from routereplay.client._codec import KIND_CHUNK, unframe
-from routereplay.client._layout import _decode_chunks
+from routereplay.client._layout import _decode_chunks, _decode_one, batch_decoder
 from routereplay.local_redis import redis_server
 
 
@@ -40,6 +41,11 @@ def zstd_only(items: list[tuple[bytes, int]]) -> None:
         d.decompress(body, max_output_size=n)
 
 
+def py_decode(items: list[tuple[bytes, bytes]]) -> None:
+    for d, b in items:
+        _decode_one(d, b)
+
+
 def main() -> None:
     threads = [int(x) for x in os.environ.get("DIAG_THREADS", "1 2 4 8 16").split()]
     a = argparse.Namespace(tokens=262_144, layers=48, experts=128, topk=8, prompt_len=1024,
@@ -58,18 +64,21 @@ def main() -> None:
         out_mb = sum(n for _, n in bodies) / 1e6
         floor = best(lambda: store.get_raw(ids))
         print(f"{len(chunks)} chunks, {out_mb:.0f} MB decoded, {os.cpu_count()} CPUs; "
-              f"floor (get_raw) {floor:.4f} s")  # fmt: skip
+              f"floor (get_raw) {floor:.4f} s; batch decoder: "
+              f"{batch_decoder() or 'yes'}")  # fmt: skip
         for n in threads:
             with ThreadPoolExecutor(n) as pool:
                 zs = split(bodies, n * 4)
                 tz = best(lambda zs=zs: list(pool.map(zstd_only, zs)))
                 cs = split(chunks, n * 4)
                 td = best(lambda cs=cs: list(pool.map(_decode_chunks, cs)))
+                tp = best(lambda cs=cs: list(pool.map(py_decode, cs)))
             s = RouteStore.from_url(url, prefix="scaling", decode_threads=n)
             tg = best(lambda s=s: s.get_many(ids))
             s.close()
             print(f"threads {n:2d}: zstd alone {tz:.4f} s ({out_mb / 1e3 / tz:.2f} GB/s)   "
-                  f"chunk decode {td:.4f} s   get_many {tg:.4f} s")  # fmt: skip
+                  f"chunk decode {td:.4f} s (Python path {tp:.4f} s)   "
+                  f"get_many {tg:.4f} s")  # fmt: skip
         store.close()
 
 

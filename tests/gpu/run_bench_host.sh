@@ -19,7 +19,7 @@ stage_package full
 [ -x .device/redis/redis-server ] && export PATH="$PWD/.device/redis:$PATH"
 export PYTHONPATH=/tmp/rr:/tmp/site
 nproc
-$PY -P -c 'import routereplay.client as c; print("codec kernel:", c.codec_kernel())'
+$PY -P -c 'import routereplay.client as c; print("codec kernel:", c.codec_kernel(), "/ batch decoder:", c.batch_decoder() or "yes")'
 fail=0
 if [ "$(command -v nvidia-smi)" ]; then
   $PY -P tests/gpu/pinned_check.py | tee "$OUT/pinned-check.txt" || fail=1

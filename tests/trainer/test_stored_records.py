@@ -199,9 +199,10 @@ def test_threads_joining_one_record_at_once_all_get_its_rows() -> None:
 
 
 def test_chunks_stored_in_token_order_gather_the_same_targets() -> None:
-    """Chunks in format 3's token order decode to strided layer-major views; the gather copies
-    from those views exactly as from contiguous ones."""
-    from routereplay.client import _codec
+    """Chunks in format 3's token order decode to strided layer-major views on the Python path
+    (the batch decoder writes them layer-major); the gather copies from those views exactly as
+    from contiguous ones."""
+    from routereplay.client import _codec, _layout
 
     rng = np.random.default_rng(21)
     recs = []
@@ -213,8 +214,11 @@ def test_chunks_stored_in_token_order_gather_the_same_targets() -> None:
     keys = KeySchema("t")
     plan = plan_put(keys, "r0", recs[0], 64)
     assert _codec.unframe(plan.chunk_blob(0), _codec.KIND_CHUNK, "c")["xf"] == _codec.XF_TOKENS
-    stored = _stored(recs, 64)
+    with mock.patch.object(_layout, "_BATCH", None):
+        stored = _stored(recs, 64)
     assert not stored[0].layer_major_parts()[0][1].flags.c_contiguous  # strided views
+    batch = _stored(recs, 64)
+    assert batch[0].layer_major_parts()[0][1].flags.c_contiguous
     plain = [_plain(s) for s in stored]
     cu = np.concatenate([[0], np.cumsum([r.num_tokens for r in recs])])
     cup = np.concatenate([[0], np.cumsum([304, 172])])
@@ -224,4 +228,5 @@ def test_chunks_stored_in_token_order_gather_the_same_targets() -> None:
         loc = pm.local(cp_size=2, cp_rank=c, tp_size=1, tp_rank=0, cu_seqlens_padded=cup)
         got = gather_targets(loc, stored, (2, 4))
         np.testing.assert_array_equal(got.experts, gather_targets(loc, plain, (2, 4)).experts)
-    assert stored == recs
+        np.testing.assert_array_equal(got.experts, gather_targets(loc, batch, (2, 4)).experts)
+    assert stored == recs == batch
