@@ -147,6 +147,7 @@ static int parse(chunk_t *c) {
     if (HEADER + plen != c->len) return 0;
     rd_t r = {b + HEADER, b + c->len};
     uint64_t entries;
+    if (r.p >= r.end) return 0;
     const uint8_t m = *r.p;
     if (m >= 0x80 && m <= 0x8f) {
         entries = m & 0x0f;
@@ -204,7 +205,13 @@ static int parse(chunk_t *c) {
     } else if (c->raw != head + c->n * c->isz) {
         return 0;
     }
-    return 1;
+    /* One zstd frame that is the whole body and says it holds exactly ``raw`` bytes: checked
+     * before anything is allocated for the chunk (the frame header and block headers only).
+     * No frame decompresses to more than 32768x its size (_codec._MAX_ZSTD_RATIO). */
+    if (c->raw > 32768 * (uint64_t)c->body_len) return 0;
+    if (zstd_content_size(c->body, c->body_len) != c->raw) return 0;
+    const size_t fs = zstd_frame_size(c->body, c->body_len);
+    return !zstd_is_error(fs) && fs == c->body_len;
 }
 
 /* Low bytes then high bytes (the codec's planes) -> native uint16. */
@@ -317,18 +324,20 @@ static PyObject *decode_chunks(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_OSError, zstd_problem);
         return NULL;
     }
-    PyObject *ds = PySequence_Fast(digests_in, "decode_chunks: digests must be a sequence");
+    /* Tuples: they hold the bytes objects whose buffers are read without the GIL, and no other
+     * thread can take one out of them meanwhile (as it could from a list). */
+    PyObject *ds = PySequence_Tuple(digests_in);
     if (!ds) return NULL;
-    PyObject *bs = PySequence_Fast(blobs_in, "decode_chunks: blobs must be a sequence");
+    PyObject *bs = PySequence_Tuple(blobs_in);
     if (!bs) {
         Py_DECREF(ds);
         return NULL;
     }
     PyObject *result = NULL, *tokens = NULL, *valid = NULL, *results = NULL;
     PyObject **row_objs = NULL;
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(bs);
+    const Py_ssize_t n = PyTuple_GET_SIZE(bs);
     chunk_t *cs = NULL;
-    if (PySequence_Fast_GET_SIZE(ds) != n) {
+    if (PyTuple_GET_SIZE(ds) != n) {
         PyErr_SetString(PyExc_ValueError, "decode_chunks: as many digests as blobs");
         goto done;
     }
@@ -340,7 +349,7 @@ static PyObject *decode_chunks(PyObject *self, PyObject *args) {
     }
     /* 1. inputs (GIL): bytes objects only; the sequences keep them alive */
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *d = PySequence_Fast_GET_ITEM(ds, i), *b = PySequence_Fast_GET_ITEM(bs, i);
+        PyObject *d = PyTuple_GET_ITEM(ds, i), *b = PyTuple_GET_ITEM(bs, i);
         if (PyBytes_Check(d) && PyBytes_Check(b)) {
             cs[i].digest = (const uint8_t *)PyBytes_AS_STRING(d);
             cs[i].dlen = PyBytes_GET_SIZE(d);
@@ -350,30 +359,42 @@ static PyObject *decode_chunks(PyObject *self, PyObject *args) {
         }
     }
     /* 2. fields (no GIL) */
-    size_t ntok = 0, max_scratch = 0, max_raw = 0;
+    size_t ntok = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
         chunk_t *c = &cs[i];
         if (!c->ok || !(c->ok = parse(c))) continue;
         c->tok_off = ntok;
         ntok += c->T;
-        if (c->raw > max_raw) max_raw = c->raw;
-        if (c->isz == 2 && c->n > max_scratch) max_scratch = c->n;
     }
     Py_END_ALLOW_THREADS
     /* 3. outputs (GIL). Each chunk's rows get a bytes object of their own: a step's ~1500
      * chunks of ~50 KB each are recycled by malloc from one step to the next, where one
      * buffer of a whole batch would be fresh pages to fault in every time (measured slower).
      * A plain uint8 chunk is decompressed straight into its object (rows after the tokens). */
+    /* Sizes come from the chunks: one that claims more than can be allocated goes to the
+     * Python path (which names it) rather than failing the batch. */
     tokens = PyBytes_FromStringAndSize(NULL, ntok * sizeof(int64_t));
     valid = PyBytes_FromStringAndSize(NULL, ntok);
-    if (!tokens || !valid) goto done;
+    if (!tokens || !valid) {
+        PyErr_Clear();
+        Py_CLEAR(tokens);
+        Py_CLEAR(valid);
+        for (Py_ssize_t i = 0; i < n; i++) cs[i].ok = 0;
+        if (!(tokens = PyBytes_FromStringAndSize(NULL, 0)) ||
+            !(valid = PyBytes_FromStringAndSize(NULL, 0)))
+            goto done;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         chunk_t *c = &cs[i];
         if (!c->ok) continue;
         c->inplace = c->xf != XF_KEEP && c->xf != XF_TOKENS && c->isz == 1;
         const size_t size = c->inplace ? c->raw : c->n * c->isz;
-        if (!(row_objs[i] = PyBytes_FromStringAndSize(NULL, size))) goto done;
+        if (!(row_objs[i] = PyBytes_FromStringAndSize(NULL, size))) {
+            PyErr_Clear();
+            c->ok = 0;
+            continue;
+        }
         c->out = (uint8_t *)PyBytes_AS_STRING(row_objs[i]);
         c->row_off = c->inplace ? c->raw - c->n : 0;
     }
@@ -381,20 +402,28 @@ static PyObject *decode_chunks(PyObject *self, PyObject *args) {
     {
         int64_t *tok = (int64_t *)PyBytes_AS_STRING(tokens);
         uint8_t *val = (uint8_t *)PyBytes_AS_STRING(valid);
-        int nomem = 0;
         Py_BEGIN_ALLOW_THREADS
-        uint8_t *raw = malloc(max_raw ? max_raw : 1);
-        uint16_t *scratch = malloc((max_scratch ? max_scratch : 1) * sizeof(uint16_t));
+        /* Scratch for the decompressed body (all but in-place chunks) and for uint16 ids
+         * before they are reordered, grown to the largest chunk that needs it. */
+        uint8_t *raw = NULL;
+        uint16_t *scratch = NULL;
+        size_t raw_cap = 0, scratch_cap = 0;
         ZSTD_DCtx *z = zstd_create();
-        if (!raw || !scratch || !z) nomem = 1;
-        for (Py_ssize_t i = 0; i < n && !nomem; i++) {
+        for (Py_ssize_t i = 0; i < n; i++) {
             chunk_t *c = &cs[i];
             if (!c->ok) continue;
             c->ok = 0;
-            /* One frame that is the whole body, of exactly the size the payload says. */
-            if (zstd_content_size(c->body, c->body_len) != c->raw) continue;
-            const size_t fs = zstd_frame_size(c->body, c->body_len);
-            if (zstd_is_error(fs) || fs != c->body_len) continue;
+            if (!z) continue;
+            if (!c->inplace && c->raw > raw_cap) {
+                uint8_t *r = realloc(raw, c->raw);
+                if (!r) continue;
+                raw = r, raw_cap = c->raw;
+            }
+            if (c->isz == 2 && c->n > scratch_cap) {
+                uint16_t *q = realloc(scratch, c->n * sizeof(uint16_t));
+                if (!q) continue;
+                scratch = q, scratch_cap = c->n;
+            }
             uint8_t *dst = c->inplace ? c->out : raw;
             const size_t got = zstd_decompress(z, dst, c->raw, c->body, c->body_len);
             if (zstd_is_error(got) || got != c->raw) continue;
@@ -404,10 +433,6 @@ static PyObject *decode_chunks(PyObject *self, PyObject *args) {
         free(raw);
         free(scratch);
         Py_END_ALLOW_THREADS
-        if (nomem) {
-            PyErr_NoMemory();
-            goto done;
-        }
     }
     /* 5. results (GIL): per chunk None (the Python path's) or
      * (rows bytes, row offset, T, M, K, itemsize, canon, max id, prev chain, chain, token offset) */

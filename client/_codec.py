@@ -540,6 +540,7 @@ def encode_body(
 
 
 _INT = {int}
+_MAX_ZSTD_RATIO = 32768
 
 
 def decode_body(p: dict[str, Any], what: str) -> Block:
@@ -563,10 +564,22 @@ def decode_body(p: dict[str, Any], what: str) -> Block:
     if min(T, M, K, raw_len) < 0 or not 1 <= E <= 65536:
         raise RouteCorruptError(f"{what}: size field out of range (T={T}, M={M}, K={K}, E={E})")
     dtype = expert_dtype(E)
+    # A zstd block holds at most 128 KiB and takes at least 4 bytes (an RLE block), so no frame
+    # decompresses to more than 32768x its size: a larger claim is refused before it is
+    # allocated (python-zstandard allocates what the frame header claims).
+    if raw_len > _MAX_ZSTD_RATIO * len(body):
+        raise RouteCorruptError(
+            f"{what}: a {len(body)}-byte compressed body cannot hold the {raw_len} bytes its "
+            "header claims"
+        )
     try:
         raw = _zd().decompress(body, max_output_size=raw_len)
     except zstandard.ZstdError as exc:
         raise RouteCorruptError(f"{what}: compressed body is corrupted: {exc}") from exc
+    except MemoryError as exc:  # a claim within that ratio, still too large for this host
+        raise RouteCorruptError(
+            f"{what}: cannot allocate the {raw_len} bytes its header claims"
+        ) from exc
     if len(raw) != raw_len:
         raise RouteCorruptError(f"{what}: body holds {len(raw)} bytes, header says {raw_len}")
     mv = memoryview(raw)

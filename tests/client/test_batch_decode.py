@@ -297,3 +297,30 @@ def test_a_store_read_is_the_same_with_and_without_the_batch_decoder() -> None:
             assert fast == slow
             assert [r.num_tokens for r in fast] == [r.num_tokens - 70 for r in recs]
             store.close()
+
+
+def _huge_frame(size: int) -> bytes:
+    """A zstd frame whose header claims ``size`` bytes and that holds 3 (a raw block)."""
+    head = b"\x28\xb5\x2f\xfd" + bytes([0xE0]) + size.to_bytes(8, "little")  # single segment
+    return head + ((3 << 3) | 1).to_bytes(3, "little") + b"abc"
+
+
+@pytest.mark.parametrize("claim", [1 << 40, 32768 * 19 + 1, 600_000])
+def test_a_chunk_that_claims_a_huge_body_is_corrupt_not_an_allocation(claim: int) -> None:
+    # python-zstandard allocates what a frame header claims: a hostile chunk claiming 1 TiB
+    # made reads raise MemoryError (failing the whole batch). Now it is that chunk's
+    # RouteCorruptError, on both paths, next to a good chunk that is still served.
+    rng = np.random.default_rng(6)
+    d, blob = _chunk(rng, 40, 2, 3, 64)
+    p = C.unframe(blob, C.KIND_CHUNK, "x")
+    T = 1 << 20  # a shape that agrees with the claim, so only the size is wrong
+    bad = {**p, "T": T, "M": 1, "K": 1, "xf": C.XF_PLAIN, "body": _huge_frame(claim)}
+    bad["raw"] = claim
+    item = (d, _reframe(blob, bad))
+    got = _check([item, (d, blob)])
+    assert isinstance(got[0], RouteCorruptError) and isinstance(got[1], Block)
+    # Beyond 32768x the 19-byte frame: refused unallocated; within it: zstd finds 3 bytes.
+    why = "cannot hold" if claim > 32768 * 19 else "compressed body is corrupted"
+    assert why in str(got[0])
+    with pytest.raises(RouteCorruptError, match=why):
+        C.decode_body(bad, "record")
