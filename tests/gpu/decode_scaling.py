@@ -46,6 +46,12 @@ def py_decode(items: list[tuple[bytes, bytes]]) -> None:
         _decode_one(d, b)
 
 
+def copy_split(pool: ThreadPoolExecutor, n: int, src: np.ndarray, dst: np.ndarray | None) -> None:
+    out = np.empty_like(src) if dst is None else dst
+    k = -(-src.size // n)
+    list(pool.map(lambda i: np.copyto(out[i : i + k], src[i : i + k]), range(0, src.size, k)))
+
+
 def main() -> None:
     threads = [int(x) for x in os.environ.get("DIAG_THREADS", "1 2 4 8 16").split()]
     a = argparse.Namespace(tokens=262_144, layers=48, experts=128, topk=8, prompt_len=1024,
@@ -63,6 +69,8 @@ def main() -> None:
             bodies.append((p["body"], p["raw"]))
         out_mb = sum(n for _, n in bodies) / 1e6
         floor = best(lambda: store.get_raw(ids))
+        src = np.ones(103_000_000, np.uint8)
+        dst = np.empty_like(src)
         print(f"{len(chunks)} chunks, {out_mb:.0f} MB decoded, {os.cpu_count()} CPUs; "
               f"floor (get_raw) {floor:.4f} s; batch decoder: "
               f"{batch_decoder() or 'yes'}")  # fmt: skip
@@ -73,12 +81,17 @@ def main() -> None:
                 cs = split(chunks, n * 4)
                 td = best(lambda cs=cs: list(pool.map(_decode_chunks, cs)))
                 tp = best(lambda cs=cs: list(pool.map(py_decode, cs)))
+                # The host's copy bandwidth: a step's targets (103 MB) copied into fresh pages
+                # and into reused ones, split among the threads as gather_targets splits them.
+                tc = best(lambda n=n, pool=pool: copy_split(pool, n, src, None))
+                tr = best(lambda n=n, pool=pool: copy_split(pool, n, src, dst))
             s = RouteStore.from_url(url, prefix="scaling", decode_threads=n)
             tg = best(lambda s=s: s.get_many(ids))
             s.close()
             print(f"threads {n:2d}: zstd alone {tz:.4f} s ({out_mb / 1e3 / tz:.2f} GB/s)   "
                   f"chunk decode {td:.4f} s (Python path {tp:.4f} s)   "
-                  f"get_many {tg:.4f} s")  # fmt: skip
+                  f"get_many {tg:.4f} s   copy 103 MB: fresh {tc:.4f} s, reused {tr:.4f} s "
+                  f"({src.nbytes / 1e9 / tr:.1f} GB/s)")  # fmt: skip
         store.close()
 
 
