@@ -582,11 +582,11 @@ class ChunkDecoder(Mapping[bytes, "Block | RouteError | None"]):
     """Decodes chunks (checked against their addresses) as their bytes arrive; a mapping from
     digest to the decoded :class:`Block`, the chunk's error, or None (no bytes).
 
-    With a thread pool each batch is split among its workers: zstd, the compiled ``keep`` loop,
-    blake3 and numpy's copies release the GIL, so chunks decode in parallel while the caller
-    waits on Redis for the next batch, and looking a chunk up waits only for the part holding
-    it, so records assemble while later chunks still decode. Without a pool, chunks decode on
-    the caller's thread as they are added.
+    With a thread pool each batch is split among its workers, each part decoded by one call of
+    the compiled batch decoder (without the GIL; :func:`batch_decoder`), so chunks decode in
+    parallel while the caller waits on Redis for the next batch, and looking a chunk up waits
+    only for the part holding it, so records assemble while later chunks still decode. Without
+    a pool, chunks decode on the caller's thread as they are added.
     """
 
     def __init__(self, pool: Executor | None = None, parts: int = 1) -> None:
