@@ -10,8 +10,11 @@
  * Exactness: it takes only the chunks it fully understands (format 4: rows-first blake3
  * address, a chain, known fields of known types) and checks each against its content address
  * before accepting it. Anything else, a corrupted chunk included, comes back as None and is
- * decoded by the Python path (_layout.decode_chunk), which names the problem. So the fast path
- * never accepts what the Python path would refuse, and never has to name an error itself.
+ * decoded by the Python path (_layout.decode_chunk), which names the problem, so this module
+ * never has to name an error itself. It returns only rows that match their chunk's address;
+ * the one case the Python path refuses and it takes: damage inside a compressed body that the
+ * system's libzstd decodes to the original bytes where python-zstandard's zstd calls it
+ * corrupted (docs/storage.md).
  *
  * Optional, like _ckernel: the package builds without it. zstd comes from the system's
  * libzstd, loaded at the first call (no build-time headers needed); where it cannot be loaded
@@ -370,7 +373,8 @@ static PyObject *decode_chunks(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     /* 3. outputs (GIL). Each chunk's rows get a bytes object of their own: a step's ~1500
      * chunks of ~50 KB each are recycled by malloc from one step to the next, where one
-     * buffer of a whole batch would be fresh pages to fault in every time (measured slower).
+     * buffer of a whole batch would be fresh pages to fault in every time (a whole read in
+     * one buffer was slower with python-zstandard's batch API: docs/trainer.md).
      * A plain uint8 chunk is decompressed straight into its object (rows after the tokens). */
     /* Sizes come from the chunks: one that claims more than can be allocated goes to the
      * Python path (which names it) rather than failing the batch. */
