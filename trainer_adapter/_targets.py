@@ -21,6 +21,11 @@ import numpy as np
 from routereplay.client import RouteRecord, default_decode_threads, expert_dtype
 
 from ._position_map import PositionMap
+
+try:  # the client's compiled kernel: the gather's row copies without the GIL (numpy otherwise)
+    from routereplay.client._ckernel import copy_runs as _copy_runs
+except ImportError:  # not built (no C compiler), or a kernel built from an older source
+    _copy_runs = None
 from .errors import ReplayConfigError, RouteLayerMismatchError, TargetShapeError
 
 if TYPE_CHECKING:
@@ -228,6 +233,7 @@ def gather_targets(
         top_k = r0.top_k if top_k is None else top_k
     dt = expert_dtype(num_experts)
     cols_of: dict[int, list[tuple[int, int, int]]] = {}
+    compiled: set[int] = set()  # records whose rows the compiled copy takes
     parts_of: dict[int, tuple[list[int], list[np.ndarray]]] = {}
     runs_of_layout: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}  # records share one
     for ri in used.tolist():
@@ -250,6 +256,14 @@ def gather_targets(
         # A record read from a store is its chunks: copied from them straight into ``out``.
         parts = r.layer_major_parts()
         parts_of[ri] = ([p0 for p0, _ in parts], [a for _, a in parts])
+        # The compiled copy takes parts whose rows of one layer are contiguous: a store's
+        # chunks. Not a record built in memory (token-major rows) nor the strided views of
+        # token-order chunks that the Python decode path returns: numpy copies those.
+        if _copy_runs is not None and all(
+            a.dtype == dt and a.strides[2] == a.itemsize and a.strides[1] == top_k * a.itemsize
+            for _, a in parts
+        ):
+            compiled.add(ri)
     if input_ids is not None:
         pmap.check_tokens(records, input_ids)
 
@@ -273,6 +287,7 @@ def gather_targets(
 
         def copy(lo: int, hi: int) -> None:
             """Copy the rows of output positions ``lo..hi`` (cutting the runs there)."""
+            jobs: list[tuple[np.ndarray, int, int, int, int, int, int]] = []
             i = bisect.bisect_right(spans, (lo, N)) - 1
             for s, e in spans[max(i, 0) :]:
                 s, e = max(s, lo), min(e, hi)
@@ -293,6 +308,13 @@ def gather_targets(
                     stop = min(t1, p0 + a.shape[1])
                     cuts.append((a, t0 - p0, stop - p0))
                     t0, j = stop, j + 1
+                if ri in compiled:  # copied below, all of this share in one call
+                    for o, c0, n in cols_of[ri]:
+                        d = s
+                        for a, x, y in cuts:
+                            jobs.append((a, c0, n, x, y, o, d))
+                            d += y - x
+                    continue
                 for o, c0, n in cols_of[ri]:
                     if len(cuts) == 1:
                         a, x, y = cuts[0]
@@ -303,6 +325,8 @@ def gather_targets(
                             axis=1,
                             out=out[o : o + n, s:e],
                         )
+            if jobs:
+                _copy_runs(out, jobs, N, top_k, out.itemsize)
 
         _run_split(copy, N, out.nbytes)
     # Fillers: no route, or a row the record marks invalid (zeros there would pass for expert 0).

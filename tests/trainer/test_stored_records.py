@@ -102,6 +102,11 @@ def _gather_from_chunks_equals_gather_from_joined_rows(lens, block, cp, tp, laye
             with mock.patch.object(_targets, "_SPLIT_BYTES", 1 << 62):
                 one = gather_targets(loc, plain, layers)
             np.testing.assert_array_equal(got.experts, one.experts)
+            # And to numpy's copies (the compiled copy_runs took the chunks above).
+            with mock.patch.object(_targets, "_copy_runs", None):
+                ref = gather_targets(loc, stored, layers)
+            np.testing.assert_array_equal(got.experts, ref.experts)
+            np.testing.assert_array_equal(got.valid, ref.valid)
     # The gathers read the chunks: no record was joined.
     for s, r in zip(stored, recs, strict=True):
         assert s._parts is not None and len(s._parts) == -(-r.num_tokens // block)
@@ -230,3 +235,48 @@ def test_chunks_stored_in_token_order_gather_the_same_targets() -> None:
         np.testing.assert_array_equal(got.experts, gather_targets(loc, plain, (2, 4)).experts)
         np.testing.assert_array_equal(got.experts, gather_targets(loc, batch, (2, 4)).experts)
     assert stored == recs == batch
+
+
+def test_the_compiled_copy_takes_store_chunks_and_checks_every_job() -> None:
+    copy_runs = _targets._copy_runs
+    assert copy_runs is not None  # setup.sh builds the kernel; else the tests above prove less
+    rng = np.random.default_rng(9)
+    recs = [_record(rng, rng.integers(0, 999, n)) for n in (70, 33)]
+    stored = _stored(recs, 16)
+    cu = np.concatenate([[0], np.cumsum([r.num_tokens for r in recs])])
+    pm = thd_position_map([sample_from_record(i, r) for i, r in enumerate(recs)], cu)
+    calls = []
+
+    def spy(out, jobs, *a):
+        calls.append(len(jobs))
+        return copy_runs(out, jobs, *a)
+
+    with mock.patch.object(_targets, "_copy_runs", spy):
+        got = gather_targets(pm, stored, (1, 4))  # two layer runs: (1,) and (4,)
+        assert calls and sum(calls) == 2 * (5 + 3)  # per layer run, a job per chunk
+        calls.clear()
+        # Token-major rows (a record built in memory) go to numpy's copies.
+        want = gather_targets(pm, recs, (1, 4))
+        assert not calls
+    np.testing.assert_array_equal(got.experts, want.experts)
+
+    src = np.arange(2 * 4 * K, dtype=np.uint8).reshape(2, 4, K)
+    out = np.zeros((3, 10, K), np.uint8)
+    copy_runs(out, [(src, 1, 1, 1, 3, 2, 5)], 10, K, 1)  # src[1:2, 1:3] -> out[2:3, 5:7]
+    np.testing.assert_array_equal(out[2, 5:7], src[1, 1:3])
+    assert out.sum() == src[1, 1:3].sum()
+    before = out.copy()
+    bad = [
+        (src, 1, 2, 0, 1, 0, 0),  # layers past the source
+        (src, 0, 1, 3, 5, 0, 0),  # rows past the source
+        (src, 0, 1, 0, 2, 2, 9),  # positions past out
+        (src, 0, 2, 0, 1, 2, 0),  # layers past out
+        (src.transpose(1, 0, 2), 0, 1, 0, 1, 0, 0),  # rows of a layer not contiguous
+        (src.astype(np.uint16), 0, 1, 0, 1, 0, 0),  # another id width
+    ]
+    for job in bad:
+        with pytest.raises(ValueError, match="copy_runs: job 1 does not fit"):
+            copy_runs(out, [(src, 0, 1, 0, 1, 0, 0), job], 10, K, 1)
+        np.testing.assert_array_equal(out, before)  # checked before anything is copied
+    with pytest.raises(ValueError, match="not \\[M, N, K\\]"):
+        copy_runs(out, [], 7, K, 1)
