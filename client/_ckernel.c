@@ -121,12 +121,13 @@ static PyObject *hist_u8(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* copy_runs(out, jobs, N, K, itemsize) -> None
+/* copy_runs(out, jobs, N, K, itemsize) -> list of skipped job indices
  *
  * out:  writable C-contiguous ids [M_out, N, K], ``itemsize`` bytes each.
- * jobs: (src, c0, n, x, y, o, s) tuples: copy src[c0 : c0 + n, x : y, :] (an array whose rows
- *       of one layer are contiguous: strides[2] == itemsize, strides[1] == K * itemsize) to
- *       out[o : o + n, s : s + y - x, :].
+ * jobs: (src, c0, n, x, y, o, s) tuples: copy src[c0 : c0 + n, x : y, :] to
+ *       out[o : o + n, s : s + y - x, :]. A source whose rows of one layer are not contiguous
+ *       (strides[2] != itemsize or strides[1] != K * itemsize: a record's token-major rows)
+ *       or that holds other ids is skipped: its index is returned for the caller to copy.
  *
  * The gather of a training step's targets (trainer_adapter._targets): ~2000 runs of ~1 KB per
  * layer from a read's chunks. numpy copies each run with the GIL released but takes it back
@@ -149,6 +150,7 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
     struct run { const char *src; char *dst; Py_ssize_t n, src_step, bytes; } *runs =
         PyMem_Calloc(nj ? nj : 1, sizeof *runs);
     Py_ssize_t held = 0;
+    PyObject *skipped = NULL;
     const char *err = NULL;
     char msg[160];
     if (!views || !runs) {
@@ -160,6 +162,7 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
         goto done;
     }
     const Py_ssize_t row = K * isz, layer = N * row, m_out = layer ? out.len / layer : 0;
+    if (!(skipped = PyList_New(0))) goto done;
     for (Py_ssize_t j = 0; j < nj; j++) {
         PyObject *src;
         Py_ssize_t c0, n, x, y, o, s;
@@ -169,8 +172,17 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
         held = j + 1;
         const Py_buffer *v = &views[j];
         if (v->ndim != 3 || v->itemsize != isz || v->shape[2] != K || v->strides[2] != isz ||
-            v->strides[1] != row || c0 < 0 || n < 0 || c0 + n > v->shape[0] || x < 0 ||
-            y < x || y > v->shape[1] || o < 0 || o + n > m_out || s < 0 || s + (y - x) > N) {
+            v->strides[1] != row) {
+            PyObject *idx = PyLong_FromSsize_t(j);
+            if (!idx || PyList_Append(skipped, idx) < 0) {
+                Py_XDECREF(idx);
+                goto done;
+            }
+            Py_DECREF(idx);
+            continue; /* runs[j].n stays 0: nothing copied here */
+        }
+        if (c0 < 0 || n < 0 || c0 + n > v->shape[0] || x < 0 || y < x || y > v->shape[1] ||
+            o < 0 || o + n > m_out || s < 0 || s + (y - x) > N) {
             snprintf(msg, sizeof msg, "copy_runs: job %zd does not fit its source or out", j);
             err = msg;
             goto done;
@@ -193,8 +205,11 @@ done:
     Py_DECREF(jobs);
     PyBuffer_Release(&out);
     if (err) PyErr_SetString(PyExc_ValueError, err);
-    if (PyErr_Occurred()) return NULL;
-    Py_RETURN_NONE;
+    if (PyErr_Occurred()) {
+        Py_XDECREF(skipped);
+        return NULL;
+    }
+    return skipped;
 }
 
 static PyMethodDef methods[] = {

@@ -233,7 +233,6 @@ def gather_targets(
         top_k = r0.top_k if top_k is None else top_k
     dt = expert_dtype(num_experts)
     cols_of: dict[int, list[tuple[int, int, int]]] = {}
-    compiled: set[int] = set()  # records whose rows the compiled copy takes
     parts_of: dict[int, tuple[list[int], list[np.ndarray]]] = {}
     runs_of_layout: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}  # records share one
     for ri in used.tolist():
@@ -256,14 +255,6 @@ def gather_targets(
         # A record read from a store is its chunks: copied from them straight into ``out``.
         parts = r.layer_major_parts()
         parts_of[ri] = ([p0 for p0, _ in parts], [a for _, a in parts])
-        # The compiled copy takes parts whose rows of one layer are contiguous: a store's
-        # chunks. Not a record built in memory (token-major rows) nor the strided views of
-        # token-order chunks that the Python decode path returns: numpy copies those.
-        if _copy_runs is not None and all(
-            a.dtype == dt and a.strides[2] == a.itemsize and a.strides[1] == top_k * a.itemsize
-            for _, a in parts
-        ):
-            compiled.add(ri)
     if input_ids is not None:
         pmap.check_tokens(records, input_ids)
 
@@ -308,7 +299,7 @@ def gather_targets(
                     stop = min(t1, p0 + a.shape[1])
                     cuts.append((a, t0 - p0, stop - p0))
                     t0, j = stop, j + 1
-                if ri in compiled:  # copied below, all of this share in one call
+                if _copy_runs is not None:  # copied below, all of this share in one call
                     for o, c0, n in cols_of[ri]:
                         d = s
                         for a, x, y in cuts:
@@ -326,7 +317,12 @@ def gather_targets(
                             out=out[o : o + n, s:e],
                         )
             if jobs:
-                _copy_runs(out, jobs, N, top_k, out.itemsize)
+                # It takes runs whose rows of a layer are contiguous (a store's chunks) and
+                # leaves the rest to numpy: a record built in memory (token-major rows), the
+                # strided views of token-order chunks the Python decode path returns.
+                for j in _copy_runs(out, jobs, N, top_k, out.itemsize):
+                    a, c0, n, x, y, o, d = jobs[j]
+                    out[o : o + n, d : d + y - x] = a[c0 : c0 + n, x:y]
 
         _run_split(copy, N, out.nbytes)
     # Fillers: no route, or a row the record marks invalid (zeros there would pass for expert 0).

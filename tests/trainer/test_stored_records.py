@@ -248,31 +248,36 @@ def test_the_compiled_copy_takes_store_chunks_and_checks_every_job() -> None:
     calls = []
 
     def spy(out, jobs, *a):
-        calls.append(len(jobs))
-        return copy_runs(out, jobs, *a)
+        skipped = copy_runs(out, jobs, *a)
+        calls.append((len(jobs), len(skipped)))
+        return skipped
 
     with mock.patch.object(_targets, "_copy_runs", spy):
         got = gather_targets(pm, stored, (1, 4))  # two layer runs: (1,) and (4,)
-        assert calls and sum(calls) == 2 * (5 + 3)  # per layer run, a job per chunk
+        assert calls == [(2 * (5 + 3), 0)]  # per layer run, a job per chunk, all copied
         calls.clear()
-        # Token-major rows (a record built in memory) go to numpy's copies.
+        # Token-major rows (a record built in memory): skipped, numpy copies them.
         want = gather_targets(pm, recs, (1, 4))
-        assert not calls
+        assert calls == [(2 * 2, 2 * 2)]
     np.testing.assert_array_equal(got.experts, want.experts)
 
     src = np.arange(2 * 4 * K, dtype=np.uint8).reshape(2, 4, K)
     out = np.zeros((3, 10, K), np.uint8)
-    copy_runs(out, [(src, 1, 1, 1, 3, 2, 5)], 10, K, 1)  # src[1:2, 1:3] -> out[2:3, 5:7]
+    assert copy_runs(out, [(src, 1, 1, 1, 3, 2, 5)], 10, K, 1) == []  # src[1, 1:3] -> out[2, 5:7]
     np.testing.assert_array_equal(out[2, 5:7], src[1, 1:3])
     assert out.sum() == src[1, 1:3].sum()
     before = out.copy()
+    other = [(src.transpose(1, 0, 2), 0, 1, 0, 1, 0, 0),  # rows of a layer not contiguous
+             (src.astype(np.uint16), 0, 1, 0, 1, 0, 0)]  # another id width  # fmt: skip
+    assert copy_runs(out, [other[0], (src, 0, 1, 0, 1, 0, 0), other[1]], 10, K, 1) == [0, 2]
+    np.testing.assert_array_equal(out[0, 0], src[0, 0])  # the one it took
+    out[0, 0] = before[0, 0]
     bad = [
         (src, 1, 2, 0, 1, 0, 0),  # layers past the source
         (src, 0, 1, 3, 5, 0, 0),  # rows past the source
         (src, 0, 1, 0, 2, 2, 9),  # positions past out
         (src, 0, 2, 0, 1, 2, 0),  # layers past out
-        (src.transpose(1, 0, 2), 0, 1, 0, 1, 0, 0),  # rows of a layer not contiguous
-        (src.astype(np.uint16), 0, 1, 0, 1, 0, 0),  # another id width
+        (src, 0, 1, 2, 1, 0, 0),  # rows backwards
     ]
     for job in bad:
         with pytest.raises(ValueError, match="copy_runs: job 1 does not fit"):
