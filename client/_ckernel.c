@@ -181,8 +181,10 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
             Py_DECREF(idx);
             continue; /* runs[j].n stays 0: nothing copied here */
         }
-        if (c0 < 0 || n < 0 || c0 + n > v->shape[0] || x < 0 || y < x || y > v->shape[1] ||
-            o < 0 || o + n > m_out || s < 0 || s + (y - x) > N) {
+        /* Written so that no sum can overflow, whatever the caller passes. */
+        if (c0 < 0 || n < 0 || c0 > v->shape[0] || n > v->shape[0] - c0 || x < 0 || y < x ||
+            y > v->shape[1] || o < 0 || o > m_out || n > m_out - o || s < 0 || s > N ||
+            y - x > N - s) {
             snprintf(msg, sizeof msg, "copy_runs: job %zd does not fit its source or out", j);
             err = msg;
             goto done;

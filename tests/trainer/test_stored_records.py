@@ -278,6 +278,9 @@ def test_the_compiled_copy_takes_store_chunks_and_checks_every_job() -> None:
         (src, 0, 1, 0, 2, 2, 9),  # positions past out
         (src, 0, 2, 0, 1, 2, 0),  # layers past out
         (src, 0, 1, 2, 1, 0, 0),  # rows backwards
+        (src, 2**62, 2**62, 0, 1, 0, 0),  # sums that would overflow
+        (src, 0, 1, 0, 1, 2**62, 0),
+        (src, 0, 1, 0, 1, 0, 2**62),
     ]
     for job in bad:
         with pytest.raises(ValueError, match="copy_runs: job 1 does not fit"):
