@@ -30,6 +30,7 @@ from ._layout import (
     validate_route_id,
 )
 from ._record import RouteRecord, WeightSpan, expert_dtype
+from ._rows import copy_row_runs
 from ._store import AsyncRouteStore, RouteStore
 from ._threads import default_decode_threads
 
@@ -62,6 +63,7 @@ __all__ = [
     "WeightSpan",
     "batch_decoder",
     "codec_kernel",
+    "copy_row_runs",
     "decode_record",
     "default_decode_threads",
     "encode_record",

@@ -18,15 +18,20 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from routereplay.client import RouteRecord, default_decode_threads, expert_dtype
+from routereplay.client import (
+    RouteRecord,
+    codec_kernel,
+    copy_row_runs,
+    default_decode_threads,
+    expert_dtype,
+)
 
 from ._position_map import PositionMap
-
-try:  # the client's compiled kernel: the gather's row copies without the GIL (numpy otherwise)
-    from routereplay.client._ckernel import copy_runs as _copy_runs
-except ImportError:  # not built (no C compiler), or a kernel built from an older source
-    _copy_runs = None
 from .errors import ReplayConfigError, RouteLayerMismatchError, TargetShapeError
+
+# The gather's row copies: the client's compiled kernel, without the GIL, where it is built;
+# else numpy (None: one concatenate per run of rows, fewer calls than a copy per chunk).
+_copy_runs = copy_row_runs if codec_kernel() == "compiled" else None
 
 if TYPE_CHECKING:
     import torch
@@ -320,7 +325,7 @@ def gather_targets(
                 # It takes runs whose rows of a layer are contiguous (a store's chunks) and
                 # leaves the rest to numpy: a record built in memory (token-major rows), the
                 # strided views of token-order chunks the Python decode path returns.
-                for j in _copy_runs(out, jobs, N, top_k, out.itemsize):
+                for j in _copy_runs(out, jobs):
                     a, c0, n, x, y, o, d = jobs[j]
                     out[o : o + n, d : d + y - x] = a[c0 : c0 + n, x:y]
 

@@ -39,13 +39,14 @@ stage_package() {
     fi
     return 0
   fi
-  cp client/_errors.py client/_record.py client/_codec.py client/_threads.py \
+  cp client/_errors.py client/_record.py client/_codec.py client/_threads.py client/_rows.py \
     /tmp/rr/routereplay/client/
   cat > /tmp/rr/routereplay/client/__init__.py <<'PY'
 """routereplay.client (the GPU subset: records and their codec)."""
-from ._codec import decode_record, encode_record  # noqa: F401
+from ._codec import codec_kernel, decode_record, encode_record  # noqa: F401
 from ._errors import *  # noqa: F403
 from ._record import RouteRecord, WeightSpan, expert_dtype  # noqa: F401
+from ._rows import copy_row_runs  # noqa: F401
 from ._threads import default_decode_threads  # noqa: F401
 PY
 }

@@ -247,8 +247,8 @@ def test_the_compiled_copy_takes_store_chunks_and_checks_every_job() -> None:
     pm = thd_position_map([sample_from_record(i, r) for i, r in enumerate(recs)], cu)
     calls = []
 
-    def spy(out, jobs, *a):
-        skipped = copy_runs(out, jobs, *a)
+    def spy(out, jobs):
+        skipped = copy_runs(out, jobs)
         calls.append((len(jobs), len(skipped)))
         return skipped
 
@@ -263,13 +263,13 @@ def test_the_compiled_copy_takes_store_chunks_and_checks_every_job() -> None:
 
     src = np.arange(2 * 4 * K, dtype=np.uint8).reshape(2, 4, K)
     out = np.zeros((3, 10, K), np.uint8)
-    assert copy_runs(out, [(src, 1, 1, 1, 3, 2, 5)], 10, K, 1) == []  # src[1, 1:3] -> out[2, 5:7]
+    assert copy_runs(out, [(src, 1, 1, 1, 3, 2, 5)]) == []  # src[1, 1:3] -> out[2, 5:7]
     np.testing.assert_array_equal(out[2, 5:7], src[1, 1:3])
     assert out.sum() == src[1, 1:3].sum()
     before = out.copy()
     other = [(src.transpose(1, 0, 2), 0, 1, 0, 1, 0, 0),  # rows of a layer not contiguous
              (src.astype(np.uint16), 0, 1, 0, 1, 0, 0)]  # another id width  # fmt: skip
-    assert copy_runs(out, [other[0], (src, 0, 1, 0, 1, 0, 0), other[1]], 10, K, 1) == [0, 2]
+    assert copy_runs(out, [other[0], (src, 0, 1, 0, 1, 0, 0), other[1]]) == [0, 2]
     np.testing.assert_array_equal(out[0, 0], src[0, 0])  # the one it took
     out[0, 0] = before[0, 0]
     bad = [
@@ -284,7 +284,12 @@ def test_the_compiled_copy_takes_store_chunks_and_checks_every_job() -> None:
     ]
     for job in bad:
         with pytest.raises(ValueError, match="copy_runs: job 1 does not fit"):
-            copy_runs(out, [(src, 0, 1, 0, 1, 0, 0), job], 10, K, 1)
+            copy_runs(out, [(src, 0, 1, 0, 1, 0, 0), job])
         np.testing.assert_array_equal(out, before)  # checked before anything is copied
+    from routereplay.client import _ckernel, _rows
+
     with pytest.raises(ValueError, match="not \\[M, N, K\\]"):
-        copy_runs(out, [], 7, K, 1)
+        _ckernel.copy_runs(out, [], 7, K, 1)
+    with mock.patch.object(_rows, "_copy_runs", None):  # no kernel: every run to the caller
+        assert copy_runs(out, [(src, 0, 1, 0, 1, 0, 0)] * 3) == [0, 1, 2]
+    np.testing.assert_array_equal(out, before)
