@@ -362,26 +362,31 @@ def decode_chunk(digest: bytes, blob: bytes) -> Block:
     return block
 
 
+def _chunk_what(m: Manifest, index: int) -> str:
+    # Built only when a check fails: the checks run for every chunk of every read.
+    return f"chunk {index} ({m.digests[index].hex()}) of route {m.route_id!r}"
+
+
 def _check_chunk(m: Manifest, index: int, block: Block, prev: bytes | None) -> bytes | None:
     """Check that ``block`` is chunk ``index`` of ``m``; returns its token chain (None if it
     cannot be known: an older chunk read from the middle of a record)."""
-
-    def what() -> str:  # only when a check fails: this runs for every chunk of a read
-        return f"chunk {index} ({m.digests[index].hex()}) of route {m.route_id!r}"
-
     want_t = min(m.block_size, m.T - index * m.block_size)
     got = block.experts.shape
     if got != (m.M, want_t, m.K):
-        raise RouteCorruptError(f"{what()}: holds rows {got}, expected {(m.M, want_t, m.K)}")
+        raise RouteCorruptError(
+            f"{_chunk_what(m, index)}: holds rows {got}, expected {(m.M, want_t, m.K)}"
+        )
     if block.prev_chain is not None:
         if prev is not None and block.prev_chain != prev:
-            raise RouteCorruptError(f"{what()}: does not continue the record's token chain")
+            raise RouteCorruptError(
+                f"{_chunk_what(m, index)}: does not continue the record's token chain"
+            )
         return block.chain or _next_chain(block.prev_chain, block.token_ids)
     if prev is None:
         return None
     chain = _next_chain(prev, block.token_ids)
     if _chunk_digest(chain, block.valid, block.experts, block.address_hash) != m.digests[index]:
-        raise RouteCorruptError(f"{what()}: content does not match its address")
+        raise RouteCorruptError(f"{_chunk_what(m, index)}: content does not match its address")
     return chain
 
 
@@ -457,23 +462,10 @@ def assemble(m: Manifest, blocks: Mapping[bytes, Block], start: int = 0) -> Rout
     valids: list[np.ndarray] = []
     row = 0
     most = -1
-    digests, E, full = m.digests, m.E, (m.M, bs, m.K)
-    whole = m.T // bs  # chunks before this index hold a full block of rows
+    digests, E = m.digests, m.E
     for i in needed:
         blk = blocks[digests[i]]
-        # The common case inline (a full chunk that carries its chain, checked when decoded,
-        # and continues this record's): ~2000 chunks a step, each once per record using it.
-        pc = blk.prev_chain
-        if (
-            i < whole
-            and pc is not None
-            and (prev is None or pc == prev)
-            and blk.chain is not None
-            and blk.experts.shape == full
-        ):
-            prev = blk.chain
-        else:
-            prev = _check_chunk(m, i, blk, prev)
+        prev = _check_chunk(m, i, blk, prev)
         lo = start - i * bs  # > 0 only for the first chunk, when it starts inside
         if lo > 0:
             rows = blk.experts[:, lo:]
@@ -575,7 +567,7 @@ def _decode_one(d: bytes, blob: bytes | None) -> Block | RouteError | None:
 
 
 def _decode_chunks(items: Sequence[tuple[bytes, bytes | None]]) -> list[Block | RouteError | None]:
-    if _BATCH is None or _BATCH.available() is not None or len(items) < 2:
+    if len(items) < 2 or batch_decoder() is not None:
         return [_decode_one(d, blob) for d, blob in items]
     digests = [d for d, _ in items]
     blobs = [b for _, b in items]
