@@ -256,15 +256,14 @@ static int decode(chunk_t *c, const uint8_t *raw, uint16_t *scratch, int64_t *to
     uint8_t *out = c->out + c->row_off;
     if (c->xf == XF_KEEP) {
         const size_t mb = (n + 7) / 8;
-        size_t ones = 0;
-        for (size_t b = 0; b < mb; b++) ones += __builtin_popcount(rows[b]);
+        const size_t ones = count_bits(rows, mb);
         if (n % 8 && rows[mb - 1] & ((1u << (8 - n % 8)) - 1)) return 0; /* bits past the end */
         if (c->raw != 4 * T + vb + mb + ones * c->isz) return 0;
         for (size_t s = 0; s < M * K && T; s++)
             if (!((rows[(s * T) >> 3] >> (7 - ((s * T) & 7))) & 1)) return 0;
         if (!n) {
         } else if (c->isz == 1) {
-            join_u8(rows, rows + mb, out, M, T, K);
+            join_u8(rows, rows + mb, ones, out, M, T, K, 1);
         } else {
             join_planes(rows + mb, ones, scratch);
             join_u16(rows, scratch, (uint16_t *)out, M, T, K);

@@ -17,7 +17,7 @@
 #include "_kernels.h"
 
 
-/* keep_join(mask, values, out, M, T, K, itemsize) -> None
+/* keep_join(mask, values, out, M, T, K, itemsize, simd=True) -> None
  *
  * mask:   change bits in np.packbits order (most significant bit first), streams [M, K, T]
  *         flattened: bit i is token t of slot k of layer m, i = (m * K + k) * T + t.
@@ -26,12 +26,15 @@
  *
  * Token t of a stream takes the id of the last set bit at or before t. Errors: a stream whose
  * first bit is clear (it would inherit another stream's id), a count of set bits other than
- * the number of values, wrong buffer sizes.
+ * the number of values, wrong buffer sizes. ``simd`` False: the portable loops only (for the
+ * tests, which compare the two).
  */
 static PyObject *keep_join(PyObject *self, PyObject *args) {
     Py_buffer mask, values, out;
     Py_ssize_t M, T, K, itemsize;
-    if (!PyArg_ParseTuple(args, "y*y*w*nnnn", &mask, &values, &out, &M, &T, &K, &itemsize))
+    int simd = 1;
+    if (!PyArg_ParseTuple(args, "y*y*w*nnnn|p", &mask, &values, &out, &M, &T, &K, &itemsize,
+                          &simd))
         return NULL;
     const char *err = NULL;
     Py_ssize_t n = 0, nv = 0;
@@ -57,15 +60,15 @@ static PyObject *keep_join(PyObject *self, PyObject *args) {
          * bits count exactly the values, and every stream's first bit is set. Then the id at
          * token t is values[rank(t) - 1], rank counting the set bits of the stream's layer
          * stack up to and including t, always within 0 .. nv - 1. */
-        Py_ssize_t ones = 0;
-        for (Py_ssize_t b = 0; b < n / 8; b++) ones += __builtin_popcount(mb[b]);
-        if (n % 8) ones += __builtin_popcount(mb[n / 8] & (0xFF00u >> (n % 8)));
+        Py_ssize_t ones = (Py_ssize_t)count_bits(mb, (size_t)(n / 8));
+        if (n % 8) ones += pop64(mb[n / 8] & (0xFF00u >> (n % 8)));
         if (ones != nv) err = "keep_join: the change bits do not count the ids";
         for (Py_ssize_t s = 0; s < M * K && T && !err; s++)
             if (!((mb[(s * T) >> 3] >> (7 - ((s * T) & 7))) & 1))
                 err = "keep_join: a stream starts without its first id";
         if (!err && itemsize == 1)
-            join_u8(mb, (const uint8_t *)values.buf, (uint8_t *)out.buf, M, T, K);
+            join_u8(mb, (const uint8_t *)values.buf, (size_t)nv, (uint8_t *)out.buf, M, T, K,
+                    simd);
         else if (!err)
             join_u16(mb, (const uint16_t *)values.buf, (uint16_t *)out.buf, M, T, K);
         Py_END_ALLOW_THREADS

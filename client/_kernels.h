@@ -5,6 +5,7 @@
 #define ROUTEREPLAY_KERNELS_H
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 /* One (layer, slot) stream after another; eight tokens per mask byte window. ``v`` points one
  * before the first value: rank(t) >= 1 once a stream's first bit is set. */
@@ -33,8 +34,129 @@
         }                                                                                  \
     }
 
-static void join_u8(const uint8_t *restrict mb, const uint8_t *restrict v0, uint8_t *restrict o,
-                    ptrdiff_t M, ptrdiff_t T, ptrdiff_t K) {
+/* Set bits in n bytes, eight bytes at a time (a portable popcount: the build targets no
+ * particular x86-64 level, where __builtin_popcount is a call per byte). */
+static inline unsigned pop64(uint64_t x) {
+    x = x - ((x >> 1) & 0x5555555555555555ull);
+    x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
+    x = (x + (x >> 4)) & 0x0f0f0f0f0f0f0f0full;
+    return (unsigned)((x * 0x0101010101010101ull) >> 56);
+}
+
+static size_t count_bits(const uint8_t *p, size_t n) {
+    size_t c = 0, i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, 8);
+        c += pop64(w);
+    }
+    for (; i < n; i++) c += pop64(p[i]);
+    return c;
+}
+
+/* RANKS[w][i]: set bits among the first i + 1 tokens of mask byte w (token 0 is bit 7). */
+#define RR_B(w, i) (((w) >> (7 - (i))) & 1)
+#define RR_P(w)                                                                            \
+    {RR_B(w, 0), RR_B(w, 0) + RR_B(w, 1), RR_B(w, 0) + RR_B(w, 1) + RR_B(w, 2),            \
+     RR_B(w, 0) + RR_B(w, 1) + RR_B(w, 2) + RR_B(w, 3),                                    \
+     RR_B(w, 0) + RR_B(w, 1) + RR_B(w, 2) + RR_B(w, 3) + RR_B(w, 4),                       \
+     RR_B(w, 0) + RR_B(w, 1) + RR_B(w, 2) + RR_B(w, 3) + RR_B(w, 4) + RR_B(w, 5),          \
+     RR_B(w, 0) + RR_B(w, 1) + RR_B(w, 2) + RR_B(w, 3) + RR_B(w, 4) + RR_B(w, 5) +         \
+         RR_B(w, 6),                                                                       \
+     RR_B(w, 0) + RR_B(w, 1) + RR_B(w, 2) + RR_B(w, 3) + RR_B(w, 4) + RR_B(w, 5) +         \
+         RR_B(w, 6) + RR_B(w, 7)}
+#define RR_P4(w) RR_P(w), RR_P((w) + 1), RR_P((w) + 2), RR_P((w) + 3)
+#define RR_P16(w) RR_P4(w), RR_P4((w) + 4), RR_P4((w) + 8), RR_P4((w) + 12)
+#define RR_P64(w) RR_P16(w), RR_P16((w) + 16), RR_P16((w) + 32), RR_P16((w) + 48)
+static const uint8_t RANKS[256][8] = {RR_P64(0), RR_P64(64), RR_P64(128), RR_P64(192)};
+
+/* The common shape of a store chunk, top-8 byte ids over whole mask bytes (T % 8 == 0), eight
+ * tokens of a layer's eight streams at a time: each stream's eight ids are its values at
+ * ``j - 1 + RANKS[w]`` (j: the stream's ids taken so far), and the 8 x 8 block is stored
+ * token-major as 64 contiguous bytes. JOIN_BODY instead does one strided byte store per id
+ * behind a running count; this is what a skewed workload's decode spent most of its time in.
+ * The caller has checked that the set bits count the ``nv`` values and that every stream's
+ * first bit is set, so every index below is within 0 .. nv - 1. */
+#define RR_K8_LAYER_SETUP                                                                  \
+    const size_t tb = (size_t)T / 8;                                                       \
+    const uint8_t *mrow = mb + (size_t)m * 8 * tb;                                         \
+    size_t jk[8];                                                                          \
+    for (int k = 0; k < 8; k++) {                                                          \
+        jk[k] = j;                                                                         \
+        j += count_bits(mrow + k * tb, tb);                                                \
+    }                                                                                      \
+    uint8_t *dst = o + (size_t)m * (size_t)T * 8;
+
+static void join_u8_k8_scalar(const uint8_t *restrict mb, const uint8_t *restrict v0,
+                              uint8_t *restrict o, ptrdiff_t M, ptrdiff_t T) {
+    size_t j = 0;
+    for (ptrdiff_t m = 0; m < M; m++) {
+        RR_K8_LAYER_SETUP
+        for (size_t b = 0; b < tb; b++, dst += 64)
+            for (int k = 0; k < 8; k++) {
+                const uint8_t *r = RANKS[mrow[k * tb + b]];
+                const uint8_t *v = v0 + jk[k] - 1;
+                for (int i = 0; i < 8; i++) dst[i * 8 + k] = v[r[i]];
+                jk[k] += r[7];
+            }
+    }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define RR_HAVE_SSSE3_JOIN 1
+/* The same with a byte shuffle per stream (SSSE3: every x86-64 server CPU since 2006, checked
+ * at run time) and an SSE2 transpose. A stream reads its 16 bytes from ``v0 + j - 1`` only
+ * where they lie inside the values; the first and last few ids take the scalar lane. */
+__attribute__((target("ssse3"))) static void join_u8_k8_ssse3(
+    const uint8_t *restrict mb, const uint8_t *restrict v0, size_t nv, uint8_t *restrict o,
+    ptrdiff_t M, ptrdiff_t T) {
+    size_t j = 0;
+    for (ptrdiff_t m = 0; m < M; m++) {
+        RR_K8_LAYER_SETUP
+        for (size_t b = 0; b < tb; b++, dst += 64) {
+            __m128i L[8];
+            for (int k = 0; k < 8; k++) {
+                const uint8_t *r = RANKS[mrow[k * tb + b]];
+                const size_t jj = jk[k];
+                if (jj >= 1 && jj + 15 <= nv) {
+                    L[k] = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(v0 + jj - 1)),
+                                            _mm_loadl_epi64((const __m128i *)r));
+                } else {
+                    uint8_t lane[16] = {0};
+                    for (int i = 0; i < 8; i++) lane[i] = v0[jj - 1 + r[i]];
+                    L[k] = _mm_loadu_si128((const __m128i *)lane);
+                }
+                jk[k] = jj + r[7];
+            }
+            const __m128i a = _mm_unpacklo_epi8(L[0], L[1]), c = _mm_unpacklo_epi8(L[2], L[3]);
+            const __m128i e = _mm_unpacklo_epi8(L[4], L[5]), g = _mm_unpacklo_epi8(L[6], L[7]);
+            const __m128i ac0 = _mm_unpacklo_epi16(a, c), ac1 = _mm_unpackhi_epi16(a, c);
+            const __m128i eg0 = _mm_unpacklo_epi16(e, g), eg1 = _mm_unpackhi_epi16(e, g);
+            _mm_storeu_si128((__m128i *)dst, _mm_unpacklo_epi32(ac0, eg0));
+            _mm_storeu_si128((__m128i *)(dst + 16), _mm_unpackhi_epi32(ac0, eg0));
+            _mm_storeu_si128((__m128i *)(dst + 32), _mm_unpacklo_epi32(ac1, eg1));
+            _mm_storeu_si128((__m128i *)(dst + 48), _mm_unpackhi_epi32(ac1, eg1));
+        }
+    }
+}
+#endif
+
+/* ``nv`` values at ``v0``: how far the block join may read. ``simd`` 0 keeps to the portable
+ * loops (what a CPU without SSSE3 runs; the tests compare both). */
+static void join_u8(const uint8_t *restrict mb, const uint8_t *restrict v0, size_t nv,
+                    uint8_t *restrict o, ptrdiff_t M, ptrdiff_t T, ptrdiff_t K, int simd) {
+    if (K == 8 && T > 0 && T % 8 == 0) {
+#ifdef RR_HAVE_SSSE3_JOIN
+        if (simd && __builtin_cpu_supports("ssse3")) {
+            join_u8_k8_ssse3(mb, v0, nv, o, M, T);
+            return;
+        }
+#endif
+        (void)nv, (void)simd;
+        join_u8_k8_scalar(mb, v0, o, M, T);
+        return;
+    }
     const ptrdiff_t nbytes = (M * T * K + 7) / 8;
     JOIN_BODY(uint8_t)
 }
