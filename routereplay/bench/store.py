@@ -57,6 +57,11 @@ def uniform_routes(rng: np.random.Generator, T: int, M: int, E: int, K: int) -> 
     return out
 
 
+# The skewed workload's model (also bench trainer's --routes skewed).
+SKEW_ZIPF_S = 1.1
+SKEW_KEEP = 0.5
+
+
 def skewed_routes(
     rng: np.random.Generator,
     T: int,
@@ -64,8 +69,8 @@ def skewed_routes(
     E: int,
     K: int,
     *,
-    zipf_s: float = 1.1,
-    keep: float = 0.5,
+    zipf_s: float = SKEW_ZIPF_S,
+    keep: float = SKEW_KEEP,
 ) -> np.ndarray:
     """Zipf expert popularity per layer; each slot keeps the previous token's expert with
     probability ``keep`` (neighbouring tokens share experts), else draws a new distinct one."""
@@ -99,7 +104,7 @@ def skewed_routes(
     return out
 
 
-def skewed_entropy_bits(E: int, zipf_s: float = 1.1, keep: float = 0.5) -> float:
+def skewed_entropy_bits(E: int, zipf_s: float = SKEW_ZIPF_S, keep: float = SKEW_KEEP) -> float:
     """Approximate entropy per expert id of :func:`skewed_routes`: the keep/draw choice plus a
     Zipf draw when drawn (the distinctness exclusion is ignored, a slight overestimate)."""
     w = 1.0 / np.arange(1, E + 1) ** zipf_s

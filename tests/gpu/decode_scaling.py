@@ -55,7 +55,8 @@ def copy_split(pool: ThreadPoolExecutor, n: int, src: np.ndarray, dst: np.ndarra
 def main() -> None:
     threads = [int(x) for x in os.environ.get("DIAG_THREADS", "1 2 4 8 16").split()]
     a = argparse.Namespace(tokens=262_144, layers=48, experts=128, topk=8, prompt_len=1024,
-                           completion_len=2048, group=8, seed=0)  # fmt: skip
+                           completion_len=2048, group=8, seed=0,
+                           routes=os.environ.get("DIAG_ROUTES", "skewed"))  # fmt: skip
     records, _ = _make_records(np.random.default_rng(0), a)
     ids = [f"b{i}" for i in range(len(records))]
     with redis_server() as url:

@@ -9,14 +9,15 @@ import pytest
 from routereplay.bench.trainer import main
 
 
-def test_bench_trainer_small(redis_url, capsys):
-    argv = ["--tokens", "4096", "--layers", "4", "--experts", "64", "--topk", "4",
-            "--prompt-len", "64", "--completion-len", "256", "--repeat", "1",
+@pytest.mark.parametrize("routes", ["skewed", "uniform", "progression"])
+def test_bench_trainer_small(redis_url, capsys, routes):
+    argv = ["--routes", routes, "--tokens", "4096", "--layers", "4", "--experts", "64",
+            "--topk", "4", "--prompt-len", "64", "--completion-len", "256", "--repeat", "1",
             "--redis-url", redis_url, "--json", "--step-s", "0.2", "--steps", "2",
             "--decode-threads", "2", "--block-size", "64"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "END TO END per step" in out
+    assert "END TO END per step" in out and f"top-4, {routes} routes;" in out
     assert "ratios (same run), 2 decode threads: peer / ours" in out and "with Prefetcher" in out
     res = json.loads(out.strip().splitlines()[-1])
     # The peer path was checked to gather the same targets (an assert inside the benchmark);
@@ -25,6 +26,7 @@ def test_bench_trainer_small(redis_url, capsys):
                 "peer_over_ours_one_thread", "ours_one_thread_over_floor"):  # fmt: skip
         assert res[key] > 0, key
     assert res["decode_threads"] == 2 and res["codec_kernel"] == "compiled"
+    assert res["routes"] == routes
     # Written in blocks of 64: records of 192 to 447 tokens span 3 to 7 chunks each, and the
     # 64-token prompt is one chunk shared by its group of 8 (at 128 they would span 2 to 4).
     assert res["block_size"] == 64 and "distinct chunks of 64 tokens" in out
@@ -43,3 +45,28 @@ def test_bench_trainer_refuses_a_device_it_cannot_use(capsys):
     with pytest.raises(SystemExit):
         main(["--block-size", "0"])
     assert "--block-size must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_the_skewed_workload_keeps_its_model() -> None:
+    # bench store's skewed model, generated for many sequences at once: ids distinct within each
+    # row, about half the slots keep the previous token's expert, popularity skewed per layer,
+    # and the same seed gives the same routes.
+    import numpy as np
+
+    from routereplay.bench.trainer import ROUTES
+
+    lengths = [1, 40, 300]
+    gen = ROUTES["skewed"]
+    out = gen(np.random.default_rng(7), lengths, 6, 64, 4)
+    assert [x.shape for x in out] == [(n, 6, 4) for n in lengths] and out[0].dtype == np.uint8
+    rows = np.concatenate(out).reshape(-1, 4)
+    assert all(len(set(r.tolist())) == 4 for r in rows)
+    kept = np.mean(out[2][1:] == out[2][:-1])
+    assert 0.4 < kept < 0.6, kept
+    counts = np.bincount(out[2][:, 0].reshape(-1), minlength=64)
+    assert counts.max() > 4 * counts.mean()  # a uniform draw would be within ~2x
+    again = gen(np.random.default_rng(7), lengths, 6, 64, 4)
+    assert all(np.array_equal(a, b) for a, b in zip(out, again, strict=True))
+    for name in ("uniform", "progression"):
+        rows = np.concatenate(ROUTES[name](np.random.default_rng(1), lengths, 6, 64, 4))
+        assert all(len(set(r.tolist())) == 4 for r in rows.reshape(-1, 4)), name
