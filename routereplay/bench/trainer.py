@@ -6,7 +6,10 @@ batch, check token ids, slice for the parallel layout, and gather per-layer targ
 tensors (compact dtype; the widening to int64 happens on the GPU in the installer and is not
 counted here). Default shape: 48 MoE layers, 128 experts, top-8 (a Qwen3-235B-like router), a
 256k-token global batch of GRPO groups (one shared prompt per group, so the store's shared chunks
-are fetched once), packed THD.
+are fetched once), packed THD. ``--routes`` picks the routes: ``skewed`` (the default; ``bench
+store``'s Zipf popularity with experts kept from token to token), ``uniform`` or ``progression``
+(the workload before the option). What they store differs (40, 64 and 32 MB for the default
+batch), and with it both the decode's cost and the floor's.
 
 Throughput is measured in one process with torch and numpy limited to one thread (the redis-server
 runs in its own process); the store decodes chunks on its default decode threads
