@@ -127,7 +127,6 @@ def _skewed_routes(rng, lengths: list[int], M: int, E: int, K: int) -> list[np.n
                 break
             row[idx] = draw(idx)
             s = np.sort(row, axis=2)
-            dup = np.zeros_like(fresh)
             eq = s[:, :, 1:] == s[:, :, :-1]
             if not eq.any():
                 break
@@ -166,7 +165,7 @@ def _timeit_pair(
     best_a = best_b = float("inf")
     out_a = out_b = None
     for _ in range(repeat):
-        out_a = out_b = None  # neither side runs beside the other's previous result
+        out_a = out_b = None  # a round's results go before the next round runs
         t0 = time.perf_counter()
         out_a = a()
         t1 = time.perf_counter()

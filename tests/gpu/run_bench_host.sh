@@ -2,8 +2,8 @@
 # The trainer-side benchmarks on a device machine's host CPUs (16+ cores, the size of a trainer
 # node's share), one command: on a GPU, tests/gpu/pinned_check.py (page-locked targets); `routereplay
 # bench trainer` at several decode-thread counts (the simulated step on the GPU where there is
-# one; ROUTES names the workloads, default skewed); tests/gpu/decode_scaling.py (how the chunk decode scales with threads); and the codec
-# part of `bench store`. Nothing there is installed: carried wheels in .device/wheels
+# one; ROUTES names the workloads, default skewed); tests/gpu/decode_scaling.py (how the chunk
+# decode scales with threads); and the codec part of `bench store`. Nothing there is installed: carried wheels in .device/wheels
 # (zstandard, blake3, redis, hiredis for its Python), a redis-server with its shared libraries in
 # .device/redis (copied from this machine: tests/gpu/carry_redis.sh), and the C kernel built
 # there with its gcc when it has one (else the numpy fallback, which `bench` prints).
