@@ -100,43 +100,12 @@ def _uniform_routes(rng, lengths: list[int], M: int, E: int, K: int) -> list[np.
 
 
 def _skewed_routes(rng, lengths: list[int], M: int, E: int, K: int) -> list[np.ndarray]:
-    """``bench store``'s skewed workload (its ``skewed_routes`` model): Zipf(1.1) expert
-    popularity permuted per layer, and each slot keeps the previous token's expert with
-    p = 0.5, else draws a new one (distinct within the row). Stepped through tokens with every
-    sequence, layer and slot at once (the reference generator loops per layer and slot)."""
-    from routereplay.bench.store import SKEW_KEEP, SKEW_ZIPF_S
-    from routereplay.client import expert_dtype
+    """``bench store``'s skewed workload: Zipf(1.1) expert popularity permuted per layer, and
+    each slot keeps the previous token's expert with p = 0.5, else draws a new one (distinct
+    within the row); one router for the whole batch."""
+    from routereplay.bench.store import skewed_routes_many
 
-    w = 1.0 / np.arange(1, E + 1) ** SKEW_ZIPF_S
-    cdf = np.cumsum(w / w.sum())
-    perms = np.argsort(rng.random((M, E)), axis=1)  # popularity order per layer
-    S, L = len(lengths), max(lengths, default=0)
-    out = np.empty((L, S, M, K), dtype=expert_dtype(E))
-    layer = np.broadcast_to(np.arange(M)[None, :, None], (S, M, K))
-
-    def draw(idx: tuple[np.ndarray, ...]) -> np.ndarray:
-        ranks = np.minimum(np.searchsorted(cdf, rng.random(len(idx[0]))), E - 1)
-        return perms[layer[idx], ranks]
-
-    row = np.zeros((S, M, K), np.int64)
-    fresh = np.ones((S, M, K), bool)  # the first token draws every slot
-    for t in range(L):
-        while True:  # draw the fresh slots until none repeats another slot of its row
-            idx = np.nonzero(fresh)
-            if not len(idx[0]):
-                break
-            row[idx] = draw(idx)
-            s = np.sort(row, axis=2)
-            eq = s[:, :, 1:] == s[:, :, :-1]
-            if not eq.any():
-                break
-            # A fresh slot holding an id that occurs twice in its row draws again.
-            dup_ids = np.where(eq, s[:, :, 1:], -1)
-            dup = (row[:, :, :, None] == dup_ids[:, :, None, :]).any(axis=3)
-            fresh &= dup
-        out[t] = row
-        fresh = rng.random((S, M, K)) >= SKEW_KEEP
-    return [np.ascontiguousarray(out[:n, i]) for i, n in enumerate(lengths)]
+    return skewed_routes_many(rng, lengths, M, E, K)
 
 
 ROUTES = {
