@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import os
 import threading
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Self
 
@@ -38,6 +38,7 @@ from ._layout import (
     KeySchema,
     PutPlan,
     PutResult,
+    RecordFeed,
     apply_fill,
     assemble_read,
     plan_fill,
@@ -162,20 +163,35 @@ def _read(names: list[str], mget: bool) -> Generator[list[Command], list[Any], l
 
 
 def _get_many(
-    keys: KeySchema, ids: list[str], start: int, pool: Executor | None, parts: int, mget: bool
+    keys: KeySchema,
+    ids: list[str],
+    start: int,
+    pool: Executor | None,
+    parts: int,
+    mget: bool,
+    on_record: Callable[[int, RouteRecord], object] | None = None,
 ) -> Op:
     """One result per id (record, None, or that id's error); each shared chunk read once, in
-    batches that decode (on ``pool``) while the next batch is read."""
+    batches that decode (on ``pool``) while the next batch is read. With ``on_record``, records
+    also assemble while the read goes on, each handed to it as it is (:class:`RecordFeed`)."""
     blobs = yield from _read([keys.manifest(rid) for rid in ids], mget)
     plan = plan_read(ids, blobs, start)
     digests = plan.digests()
     dec = ChunkDecoder(pool, parts)
-    i, size = 0, min(_FIRST_GET_BATCH, _GET_BATCH)
-    while i < len(digests):
-        batch = digests[i : i + size]
-        dec.add(batch, (yield from _read([keys.chunk(d) for d in batch], mget)))
-        i, size = i + size, min(2 * size, _GET_BATCH)
-    return assemble_read(plan, dec)
+    feed = None if on_record is None else RecordFeed(plan, dec, digests, on_record)
+    try:
+        i, size = 0, min(_FIRST_GET_BATCH, _GET_BATCH)
+        while i < len(digests):
+            batch = digests[i : i + size]
+            dec.add(batch, (yield from _read([keys.chunk(d) for d in batch], mget)))
+            i, size = i + size, min(2 * size, _GET_BATCH)
+            if feed is not None:
+                feed.added(i)
+    except BaseException:  # a failed round trip (or the op closed): no record is handed on
+        if feed is not None:
+            feed.cancel()
+        raise
+    return assemble_read(plan, dec) if feed is None else feed.finish()
 
 
 def _raw_batch(keys: KeySchema, ids: list[str], start: int, max_bytes: int, mget: bool) -> Op:
@@ -338,11 +354,22 @@ class _Common:
         )
         return _put(plan, self.ttl_s if ttl_s is None else ttl_s)
 
-    def _get_op(self, route_ids: Sequence[str], start: int) -> Op:
+    def _get_op(
+        self,
+        route_ids: Sequence[str],
+        start: int,
+        on_record: Callable[[int, RouteRecord], object] | None = None,
+    ) -> Op:
         ids = [validate_route_id(r) for r in route_ids]
         # A few tasks per thread per stage: even shares without a task per chunk.
         return _get_many(
-            self.keys, ids, start, self._decode_pool(), 2 * self.decode_threads, self._mget
+            self.keys,
+            ids,
+            start,
+            self._decode_pool(),
+            2 * self.decode_threads,
+            self._mget,
+            on_record,
         )
 
     def _raw_op(self, route_ids: Sequence[str], start: int, max_bytes: int) -> Op:
@@ -376,6 +403,8 @@ class RouteStore(_Common):
                     batch = op.send(self._pipe(batch).execute() if batch else [])
             except StopIteration as done:
                 return done.value
+            finally:  # a failed round trip leaves the op suspended: let it clean up now
+                op.close()
 
     def ping(self) -> bool:
         with _redis_errors(self._where):
@@ -454,6 +483,7 @@ class RouteStore(_Common):
         start: int = 0,
         missing_ok: bool = False,
         return_exceptions: bool = False,
+        on_record: Callable[[int, RouteRecord], object] | None = None,
     ) -> list[Any]:
         """Records for ``route_ids`` in order; each distinct chunk is fetched and decoded once,
         and checked against its content address.
@@ -462,9 +492,16 @@ class RouteStore(_Common):
         record whose chunk was evicted counts as missing). A record whose bytes fail a check
         raises :class:`RouteCorruptError`; with ``return_exceptions=True`` each failing id's error
         takes its place in the list instead and the other records are returned.
+
+        ``on_record(index, record)``: called with each record that passed its checks as soon as
+        it is assembled, while later chunks are still read (``route_ids[index]``; the same
+        object the list returns), so a trainer copies rows into its targets during the read
+        (``trainer_adapter.TargetGather``). It runs on one thread of the store, one record at a
+        time, in the order the records' chunks arrive; never after this returns or raises. An
+        exception it raises is raised here once the read is done.
         """
         ids = list(route_ids)
-        results = self._run(self._get_op(ids, start))
+        results = self._run(self._get_op(ids, start, on_record))
         return resolve_results(
             ids, results, missing_ok=missing_ok, return_exceptions=return_exceptions
         )
@@ -513,11 +550,14 @@ class AsyncRouteStore(_Common):
 
         with _redis_errors(self._where):
             value: Any = None
-            while True:
-                done, out = await asyncio.to_thread(advance, value) if big else advance(value)
-                if done:
-                    return out
-                value = await self._pipe(out).execute() if out else []
+            try:
+                while True:
+                    done, out = await asyncio.to_thread(advance, value) if big else advance(value)
+                    if done:
+                        return out
+                    value = await self._pipe(out).execute() if out else []
+            finally:  # a failed (or cancelled) round trip leaves the op suspended
+                op.close()
 
     async def ping(self) -> bool:
         with _redis_errors(self._where):
@@ -590,10 +630,12 @@ class AsyncRouteStore(_Common):
         start: int = 0,
         missing_ok: bool = False,
         return_exceptions: bool = False,
+        on_record: Callable[[int, RouteRecord], object] | None = None,
     ) -> list[Any]:
-        """See :meth:`RouteStore.get_many`."""
+        """See :meth:`RouteStore.get_many` (``on_record`` runs on a thread of the store, not
+        on the event loop)."""
         ids = list(route_ids)
-        results = await self._run(self._get_op(ids, start), True)
+        results = await self._run(self._get_op(ids, start, on_record), True)
         return resolve_results(
             ids, results, missing_ok=missing_ok, return_exceptions=return_exceptions
         )
