@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import queue
 import re
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -602,8 +600,7 @@ class ChunkDecoder(Mapping[bytes, "Block | RouteError | None"]):
     the compiled batch decoder (without the GIL; :func:`batch_decoder`), so chunks decode in
     parallel while the caller waits on Redis for the next batch, and looking a chunk up waits
     only for the part holding it, so records assemble while later chunks still decode. Without
-    a pool, chunks decode on the caller's thread as they are added. One thread may add while
-    another looks up (a :class:`RecordFeed` assembles records as the read goes on).
+    a pool, chunks decode on the caller's thread as they are added.
     """
 
     def __init__(self, pool: Executor | None = None, parts: int = 1) -> None:
@@ -612,41 +609,29 @@ class ChunkDecoder(Mapping[bytes, "Block | RouteError | None"]):
         self._done: dict[bytes, Block | RouteError | None] = {}
         self._pending: dict[bytes, Future[list[Block | RouteError | None]]] = {}
         self._members: dict[Future[list[Block | RouteError | None]], list[bytes]] = {}
-        self._lock = threading.Lock()
 
     def add(self, digests: Sequence[bytes], blobs: Sequence[bytes | None]) -> None:
         items = list(zip(digests, blobs, strict=True))
         if self.pool is None or len(items) < 2:
-            decoded = _decode_chunks(items)
-            with self._lock:
-                self._done.update(zip(digests, decoded, strict=True))
+            self._done.update(zip(digests, _decode_chunks(items), strict=True))
             return
         for part in _split(items, self.parts):
             fut = self.pool.submit(_decode_chunks, part)
-            with self._lock:
-                self._members[fut] = [d for d, _ in part]
-                self._pending.update((d, fut) for d, _ in part)
+            self._members[fut] = [d for d, _ in part]
+            self._pending.update((d, fut) for d, _ in part)
 
     def __getitem__(self, digest: bytes) -> Block | RouteError | None:
-        with self._lock:
-            if digest in self._done:
-                return self._done[digest]
+        if digest not in self._done:
             fut = self._pending[digest]  # KeyError: a chunk never added
-        got = fut.result()  # outside the lock: the adding thread goes on meanwhile
-        with self._lock:
-            members = self._members.pop(fut, None)
-            if members is not None:  # else another thread moved them first
-                self._done.update(zip(members, got, strict=True))
-            return self._done[digest]
+            self._done.update(zip(self._members.pop(fut), fut.result(), strict=True))
+        return self._done[digest]
 
     def __iter__(self) -> Iterator[bytes]:
-        with self._lock:
-            keys = [*self._done, *(d for d in self._pending if d not in self._done)]
-        yield from keys
+        yield from self._done
+        yield from (d for d in self._pending if d not in self._done)
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._done) + sum(1 for d in self._pending if d not in self._done)
+        return len(self._done) + sum(1 for d in self._pending if d not in self._done)
 
 
 def finish_read(plan: ReadPlan, chunk_blobs: Mapping[bytes, bytes | None]) -> list[ReadResult]:
@@ -673,104 +658,21 @@ def assemble_read(
     with the decoding for memory bandwidth and the GIL.)"""
     out = list(plan.results)
     for idx, m, needed in plan.manifests:
-        out[idx] = assemble_one(m, needed, decoded, plan.start)
-    return out
-
-
-def assemble_one(
-    m: Manifest,
-    needed: Sequence[int],
-    decoded: Mapping[bytes, Block | RouteError | None],
-    start: int = 0,
-) -> ReadResult:
-    """One record's result from its decoded chunks: the record, or the error it alone hit."""
-    got = [decoded[m.digests[i]] for i in needed]
-    problems = [b for b in got if not isinstance(b, Block)]
-    if any(p is None for p in problems):
-        return RouteEvictedError(
-            f"route {m.route_id!r}: a chunk named by its manifest is missing (expired or "
-            "evicted before the manifest)"
-        )
-    if problems:
-        return type(problems[0])(f"route {m.route_id!r}: {problems[0]}")
-    try:
-        return assemble(m, decoded, start)  # type: ignore[arg-type]
-    except RouteError as e:
-        return e
-
-
-class RecordFeed:
-    """Assembles a read's records on a thread of its own while its chunks are still read, and
-    hands each record to ``on_record(index, record)`` there, one at a time, in the order their
-    last chunks arrive.
-
-    Why: a trainer copies each record's rows into the step's targets. Done after the whole read
-    (``get_many`` then ``gather_targets``) that copy added its full time to the step; done here
-    it overlaps the read of later chunks (``RouteStore.get_many(on_record=...)``).
-
-    The reader calls :meth:`added` with how many of ``digests`` it has handed to the decoder,
-    then :meth:`finish` (the results, as :func:`assemble_read` gives them; an exception
-    ``on_record`` raised, re-raised there) or, when the read fails, :meth:`cancel`. A record
-    that fails a check is not handed over: its error is in the results.
-    """
-
-    def __init__(
-        self,
-        plan: ReadPlan,
-        decoded: ChunkDecoder,
-        digests: Sequence[bytes],
-        on_record: Callable[[int, RouteRecord], object],
-    ) -> None:
-        self.plan, self.decoded, self.on_record = plan, decoded, on_record
-        where = {d: n for n, d in enumerate(digests)}
-        # Each record becomes ready once the decoder has its last chunk (shared chunks are read
-        # once, with the first record that needs them).
-        last = [max((where[m.digests[i]] for i in needed), default=-1)
-                for _, m, needed in plan.manifests]  # fmt: skip
-        self._order = sorted(range(len(last)), key=last.__getitem__)
-        self._last = last
-        self._sent = 0
-        self.results: list[ReadResult] = list(plan.results)
-        self._error: BaseException | None = None
-        self._stop = False
-        self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="routereplay-records", daemon=True)
-        self._thread.start()
-
-    def added(self, n: int) -> None:
-        """The decoder now has ``digests[:n]``: queue the records those complete."""
-        order, last = self._order, self._last
-        while self._sent < len(order) and last[order[self._sent]] < n:
-            self._queue.put(order[self._sent])
-            self._sent += 1
-
-    def _run(self) -> None:
-        while (k := self._queue.get()) is not None:
-            if self._stop or self._error is not None:
-                continue  # drained: the read failed, or on_record did
-            idx, m, needed = self.plan.manifests[k]
+        got = [decoded[m.digests[i]] for i in needed]
+        problems = [b for b in got if not isinstance(b, Block)]
+        if any(p is None for p in problems):
+            out[idx] = RouteEvictedError(
+                f"route {m.route_id!r}: a chunk named by its manifest is missing (expired or "
+                "evicted before the manifest)"
+            )
+        elif problems:
+            out[idx] = type(problems[0])(f"route {m.route_id!r}: {problems[0]}")
+        else:
             try:
-                res = assemble_one(m, needed, self.decoded, self.plan.start)
-                self.results[idx] = res
-                if isinstance(res, RouteRecord):
-                    self.on_record(idx, res)
-            except BaseException as e:  # re-raised by finish(), on the reader's thread
-                self._error = e
-
-    def finish(self) -> list[ReadResult]:
-        self.added(len(self._last) and (max(self._last) + 1))
-        self._queue.put(None)
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self.results
-
-    def cancel(self) -> None:
-        """Stop: records not yet assembled never will be, and ``on_record`` is not called
-        again once this returns."""
-        self._stop = True
-        self._queue.put(None)
-        self._thread.join()
+                out[idx] = assemble(m, decoded, plan.start)  # type: ignore[arg-type]
+            except RouteError as e:
+                out[idx] = e
+    return out
 
 
 def read_records(

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Self
 
@@ -38,7 +38,6 @@ from ._layout import (
     KeySchema,
     PutPlan,
     PutResult,
-    RecordFeed,
     apply_fill,
     assemble_read,
     plan_fill,
@@ -163,35 +162,20 @@ def _read(names: list[str], mget: bool) -> Generator[list[Command], list[Any], l
 
 
 def _get_many(
-    keys: KeySchema,
-    ids: list[str],
-    start: int,
-    pool: Executor | None,
-    parts: int,
-    mget: bool,
-    on_record: Callable[[int, RouteRecord], object] | None = None,
+    keys: KeySchema, ids: list[str], start: int, pool: Executor | None, parts: int, mget: bool
 ) -> Op:
     """One result per id (record, None, or that id's error); each shared chunk read once, in
-    batches that decode (on ``pool``) while the next batch is read. With ``on_record``, records
-    also assemble while the read goes on, each handed to it as it is (:class:`RecordFeed`)."""
+    batches that decode (on ``pool``) while the next batch is read."""
     blobs = yield from _read([keys.manifest(rid) for rid in ids], mget)
     plan = plan_read(ids, blobs, start)
     digests = plan.digests()
     dec = ChunkDecoder(pool, parts)
-    feed = None if on_record is None else RecordFeed(plan, dec, digests, on_record)
-    try:
-        i, size = 0, min(_FIRST_GET_BATCH, _GET_BATCH)
-        while i < len(digests):
-            batch = digests[i : i + size]
-            dec.add(batch, (yield from _read([keys.chunk(d) for d in batch], mget)))
-            i, size = i + size, min(2 * size, _GET_BATCH)
-            if feed is not None:
-                feed.added(i)
-    except BaseException:  # a failed round trip (or the op closed): no record is handed on
-        if feed is not None:
-            feed.cancel()
-        raise
-    return assemble_read(plan, dec) if feed is None else feed.finish()
+    i, size = 0, min(_FIRST_GET_BATCH, _GET_BATCH)
+    while i < len(digests):
+        batch = digests[i : i + size]
+        dec.add(batch, (yield from _read([keys.chunk(d) for d in batch], mget)))
+        i, size = i + size, min(2 * size, _GET_BATCH)
+    return assemble_read(plan, dec)
 
 
 def _raw_batch(keys: KeySchema, ids: list[str], start: int, max_bytes: int, mget: bool) -> Op:
@@ -354,22 +338,11 @@ class _Common:
         )
         return _put(plan, self.ttl_s if ttl_s is None else ttl_s)
 
-    def _get_op(
-        self,
-        route_ids: Sequence[str],
-        start: int,
-        on_record: Callable[[int, RouteRecord], object] | None = None,
-    ) -> Op:
+    def _get_op(self, route_ids: Sequence[str], start: int) -> Op:
         ids = [validate_route_id(r) for r in route_ids]
         # A few tasks per thread per stage: even shares without a task per chunk.
         return _get_many(
-            self.keys,
-            ids,
-            start,
-            self._decode_pool(),
-            2 * self.decode_threads,
-            self._mget,
-            on_record,
+            self.keys, ids, start, self._decode_pool(), 2 * self.decode_threads, self._mget
         )
 
     def _raw_op(self, route_ids: Sequence[str], start: int, max_bytes: int) -> Op:
@@ -403,8 +376,6 @@ class RouteStore(_Common):
                     batch = op.send(self._pipe(batch).execute() if batch else [])
             except StopIteration as done:
                 return done.value
-            finally:  # a failed round trip leaves the op suspended: let it clean up now
-                op.close()
 
     def ping(self) -> bool:
         with _redis_errors(self._where):
@@ -483,7 +454,6 @@ class RouteStore(_Common):
         start: int = 0,
         missing_ok: bool = False,
         return_exceptions: bool = False,
-        on_record: Callable[[int, RouteRecord], object] | None = None,
     ) -> list[Any]:
         """Records for ``route_ids`` in order; each distinct chunk is fetched and decoded once,
         and checked against its content address.
@@ -492,16 +462,9 @@ class RouteStore(_Common):
         record whose chunk was evicted counts as missing). A record whose bytes fail a check
         raises :class:`RouteCorruptError`; with ``return_exceptions=True`` each failing id's error
         takes its place in the list instead and the other records are returned.
-
-        ``on_record(index, record)``: called with each record that passed its checks as soon as
-        it is assembled, while later chunks are still read (``route_ids[index]``; the same
-        object the list returns), so a trainer copies rows into its targets during the read
-        (``trainer_adapter.TargetGather``). It runs on one thread of the store, one record at a
-        time, in the order the records' chunks arrive; never after this returns or raises. An
-        exception it raises is raised here once the read is done.
         """
         ids = list(route_ids)
-        results = self._run(self._get_op(ids, start, on_record))
+        results = self._run(self._get_op(ids, start))
         return resolve_results(
             ids, results, missing_ok=missing_ok, return_exceptions=return_exceptions
         )
@@ -550,14 +513,11 @@ class AsyncRouteStore(_Common):
 
         with _redis_errors(self._where):
             value: Any = None
-            try:
-                while True:
-                    done, out = await asyncio.to_thread(advance, value) if big else advance(value)
-                    if done:
-                        return out
-                    value = await self._pipe(out).execute() if out else []
-            finally:  # a failed (or cancelled) round trip leaves the op suspended
-                op.close()
+            while True:
+                done, out = await asyncio.to_thread(advance, value) if big else advance(value)
+                if done:
+                    return out
+                value = await self._pipe(out).execute() if out else []
 
     async def ping(self) -> bool:
         with _redis_errors(self._where):
@@ -630,12 +590,10 @@ class AsyncRouteStore(_Common):
         start: int = 0,
         missing_ok: bool = False,
         return_exceptions: bool = False,
-        on_record: Callable[[int, RouteRecord], object] | None = None,
     ) -> list[Any]:
-        """See :meth:`RouteStore.get_many` (``on_record`` runs on a thread of the store, not
-        on the event loop)."""
+        """See :meth:`RouteStore.get_many`."""
         ids = list(route_ids)
-        results = await self._run(self._get_op(ids, start, on_record), True)
+        results = await self._run(self._get_op(ids, start), True)
         return resolve_results(
             ids, results, missing_ok=missing_ok, return_exceptions=return_exceptions
         )

@@ -73,17 +73,10 @@ class SampleMap:
         )
 
 
-def sample_from_record(
-    index: int, record: RouteRecord | int, *, length: int | None = None
-) -> SampleMap:
+def sample_from_record(index: int, record: RouteRecord, *, length: int | None = None) -> SampleMap:
     """A sample that is exactly record ``index``'s tokens (prompt + completion), position ``i`` ->
-    row ``i``. ``length`` truncates it (or extends it with no-route tokens).
-
-    ``record`` may be its number of tokens instead, for a map built before the records are read
-    (:class:`TargetGather`, which checks the rows exist when they arrive)."""
-    T = record if isinstance(record, int | np.integer) else record.num_tokens
-    if T < 0:
-        raise RouteAlignmentError(f"sample of record {index}: {T} tokens")
+    row ``i``. ``length`` truncates it (or extends it with no-route tokens)."""
+    T = record.num_tokens
     sm = SampleMap(np.full(T, index, np.int32), np.arange(T, dtype=np.int32))
     return sm if length is None else sm.resized(length)
 

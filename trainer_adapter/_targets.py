@@ -27,12 +27,7 @@ from routereplay.client import (
 )
 
 from ._position_map import PositionMap
-from .errors import (
-    ReplayConfigError,
-    RouteAlignmentError,
-    RouteLayerMismatchError,
-    TargetShapeError,
-)
+from .errors import ReplayConfigError, RouteLayerMismatchError, TargetShapeError
 
 # The gather's row copies: the client's compiled kernel, without the GIL, where it is built;
 # else numpy (None: one concatenate per run of rows, fewer calls than a copy per chunk).
@@ -41,7 +36,7 @@ _copy_runs = copy_row_runs if codec_kernel() == "compiled" else None
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ReplayTargets", "TargetGather", "filler_experts", "gather_targets"]
+__all__ = ["ReplayTargets", "filler_experts", "gather_targets"]
 
 
 def filler_experts(
@@ -230,277 +225,132 @@ def gather_targets(
     Copies are memcpy runs: consecutive positions reading consecutive rows of one record are one
     strided copy of all layers at once per part of the record (a record read from a store is
     its chunks, :meth:`RouteRecord.layer_major_parts`), so the cost is one pass over the output
-    bytes. :class:`TargetGather` does the same record by record, while a store read goes on.
+    bytes.
     """
-    g = TargetGather(pmap, layers, num_experts=num_experts, top_k=top_k, pin_memory=pin_memory)
-    g._add_all(records)
-    return g.finish(records, input_ids=input_ids)
-
-
-class TargetGather:
-    """:func:`gather_targets` record by record, as the records arrive from a store.
-
-    ::
-
-        pm = thd_position_map([sample_from_record(i, n) for i, n in enumerate(lengths)],
-                              cu_seqlens)            # from the trainer's own lengths
-        gather = TargetGather(pm.local(...), replayer.layers, pin_memory=True)
-        records = store.get_many(route_ids, on_record=gather.add)
-        targets = gather.finish(records, input_ids=input_ids)
-
-    Why: ``get_many`` then :func:`gather_targets` copies the rows only after the whole read;
-    handed each record as it is assembled (``RouteStore.get_many(on_record=...)``), the copy
-    overlaps the read of later chunks. The position map is built before the read, so its
-    samples come from lengths the trainer knows; :meth:`finish` checks every mapped row exists
-    and, given ``input_ids``, every token id, before it returns a target.
-
-    :meth:`add` may run on another thread than the one that made this, one call at a time;
-    :meth:`finish` after the last. The result equals :func:`gather_targets`' for the same map
-    and records.
-    """
-
-    def __init__(
-        self,
-        pmap: PositionMap,
-        layers: Sequence[int],
-        *,
-        num_experts: int | None = None,
-        top_k: int | None = None,
-        pin_memory: bool = False,
-    ) -> None:
-        self.pmap = pmap
-        self.layers = tuple(int(x) for x in layers)
-        self.num_experts, self.top_k = num_experts, top_k
-        self.pin_memory = pin_memory
-        B, S = pmap.shape
-        N = B * S
-        self._rec = pmap.record.reshape(-1)
-        self._tok = pmap.token.reshape(-1)
-        rec, tok = self._rec, self._tok
-        # Spans: maximal runs of positions that read consecutive rows of one record.
-        self._spans: list[tuple[int, int]] = []
-        self._spans_of: dict[int, list[tuple[int, int]]] = {}
-        if N:
-            brk = np.flatnonzero((rec[1:] != rec[:-1]) | (tok[1:] != tok[:-1] + 1)) + 1
-            starts = np.concatenate([[0], brk]).tolist()
-            ends = np.concatenate([brk, [N]]).tolist()
-            for s, e in zip(starts, ends, strict=True):
-                ri = int(rec[s])
-                if ri >= 0:
-                    self._spans.append((s, e))
-                    self._spans_of.setdefault(ri, []).append((s, e))
-        self._routed = np.zeros(N, bool)  # positions given a valid row of a record
-        self._added: set[int] = set()
-        self._finished = False
-        self._out: np.ndarray | None = None
-        self._pinned: torch.Tensor | None = None
-        self._cols_of: dict[int, list[tuple[int, int, int]]] = {}
-        self._parts_of: dict[int, tuple[list[int], list[np.ndarray]]] = {}
-        self._runs_of_layout: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}
-
-    @property
-    def used(self) -> list[int]:
-        """The record indices this map reads rows from, ascending."""
-        return sorted(self._spans_of)
-
-    def add(self, index: int, record: RouteRecord) -> None:
-        """Copy the rows the map takes from record ``index`` (none: it is not this rank's)."""
-        spans = self._spans_of.get(index)
-        if spans is None:
-            return
-        if self._finished:
-            raise RouteAlignmentError("this TargetGather has finished: make one per map")
-        if index in self._added:
-            raise RouteAlignmentError(f"record {index} was added twice")
-        self._take(index, record)
-        self._copy(spans, {index: record})
-        self._added.add(index)
-
-    def _add_all(self, records: Sequence[RouteRecord]) -> None:
-        """Every used record at once, the copy split among threads when it is large."""
-        used = self.used
-        if used and used[-1] >= len(records):
-            raise RouteAlignmentError(
-                f"the position map names record {used[-1]} but only {len(records)} records "
-                "were given"
-            )
-        for ri in used:
-            self._take(ri, records[ri])
-        if self._out is None:
-            self._alloc(records)
-        assert self._out is not None
-        spans, N = self._spans, len(self._routed)
-        by_index = dict(enumerate(records))
-
-        def copy(lo: int, hi: int) -> None:
-            """Copy the rows of output positions ``lo..hi`` (cutting the spans there)."""
-            i = max(bisect.bisect_right(spans, (lo, N)) - 1, 0)
-            j = bisect.bisect_left(spans, (hi, 0))
-            self._copy(spans[i:j], by_index, lo, hi)
-
-        _run_split(copy, N, self._out.nbytes)
-        self._added.update(used)
-
-    def _take(self, ri: int, r: RouteRecord) -> None:
-        """Check record ``ri`` fits the model and the map; note its parts and columns."""
-        if self.num_experts is None or self.top_k is None:
-            self.num_experts = r.num_experts if self.num_experts is None else self.num_experts
-            self.top_k = r.top_k if self.top_k is None else self.top_k
-        if r.num_experts != self.num_experts or r.top_k != self.top_k:
+    layers = tuple(int(x) for x in layers)
+    used = np.unique(pmap.record[pmap.record >= 0])
+    if num_experts is None or top_k is None:
+        # From any record, used or not: a rank's slice may be all padding.
+        if not len(records):
+            raise RouteLayerMismatchError("no records given: pass num_experts and top_k")
+        r0 = records[int(used[0])] if used.size else records[0]
+        num_experts = r0.num_experts if num_experts is None else num_experts
+        top_k = r0.top_k if top_k is None else top_k
+    dt = expert_dtype(num_experts)
+    cols_of: dict[int, list[tuple[int, int, int]]] = {}
+    parts_of: dict[int, tuple[list[int], list[np.ndarray]]] = {}
+    runs_of_layout: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}  # records share one
+    for ri in used.tolist():
+        r = records[ri]
+        if r.num_experts != num_experts or r.top_k != top_k:
             raise RouteLayerMismatchError(
                 f"record {ri} has num_experts={r.num_experts}, top_k={r.top_k}; the model has "
-                f"num_experts={self.num_experts}, top_k={self.top_k}"
+                f"num_experts={num_experts}, top_k={top_k}"
             )
-        runs = self._runs_of_layout.get(r.moe_layers)
+        runs = runs_of_layout.get(r.moe_layers)
         if runs is None:
-            missing = sorted(set(self.layers) - set(r.moe_layers))
+            missing = sorted(set(layers) - set(r.moe_layers))
             if missing:
                 raise RouteLayerMismatchError(
                     f"record {ri} has no routes for the model's MoE layers {missing} (global "
                     f"0-based); it covers {list(r.moe_layers)} of {r.num_layers} layers"
                 )
-            cols = [r.moe_layers.index(x) for x in self.layers]
-            runs = self._runs_of_layout[r.moe_layers] = _col_runs(cols)
-        # The map was built before the rows were read (TargetGather): every row it names must
-        # exist, or the copy would read another record's bytes.
-        T = r.num_tokens
-        for s, e in self._spans_of[ri]:
-            t0 = int(self._tok[s])
-            if t0 + (e - s) > T:
-                b, p = divmod(s + max(T - t0, 0), self.pmap.shape[1])
-                raise RouteAlignmentError(
-                    f"batch row {b}, position {p} of the map reads row "
-                    f"{int(self.pmap.token[b, p])} of record {ri}, which has {T} rows"
-                )
-        self._cols_of[ri] = runs
-        # A record read from a store is its chunks: copied from them straight into the output.
+            runs = runs_of_layout[r.moe_layers] = _col_runs([r.moe_layers.index(x) for x in layers])
+        cols_of[ri] = runs
+        # A record read from a store is its chunks: copied from them straight into ``out``.
         parts = r.layer_major_parts()
-        self._parts_of[ri] = ([p0 for p0, _ in parts], [a for _, a in parts])
-        if self._out is None:
-            self._alloc()
+        parts_of[ri] = ([p0 for p0, _ in parts], [a for _, a in parts])
+    if input_ids is not None:
+        pmap.check_tokens(records, input_ids)
 
-    def _alloc(self, records: Sequence[RouteRecord] = ()) -> None:
-        if self.num_experts is None or self.top_k is None:
-            # From any record, used or not: a rank's slice may be all padding.
-            if not len(records):
-                raise RouteLayerMismatchError("no records given: pass num_experts and top_k")
-            self.num_experts = (
-                records[0].num_experts if self.num_experts is None else self.num_experts
-            )
-            self.top_k = records[0].top_k if self.top_k is None else self.top_k
-        dt = expert_dtype(self.num_experts)
-        B, S = self.pmap.shape
-        M, N = len(self.layers), B * S
-        # Batch-major output first: runs of consecutive rows are long there; reordered at the
-        # end (into the page-locked output, when B > 1: this one is then only scratch).
-        self._pinned = _empty(M * N * self.top_k, dt, self.pin_memory and B == 1)
-        flat = (
-            self._pinned.numpy() if self._pinned is not None else np.empty(M * N * self.top_k, dt)
-        )
-        self._out = flat.reshape(M, N, self.top_k)
+    B, S = pmap.shape
+    N = B * S
+    M = len(layers)
+    # Batch-major output first: runs of consecutive rows are long there; reordered at the end
+    # (into the page-locked output, when B > 1: this one is then only scratch).
+    pinned = _empty(M * N * top_k, dt, pin_memory and B == 1)
+    out = (pinned.numpy() if pinned is not None else np.empty(M * N * top_k, dt)).reshape(
+        M, N, top_k
+    )
+    rec = pmap.record.reshape(-1)
+    tok = pmap.token.reshape(-1)
+    routed = np.zeros(N, bool)  # positions given a valid row of a record, set as they are copied
+    if N:
+        brk = np.flatnonzero((rec[1:] != rec[:-1]) | (tok[1:] != tok[:-1] + 1)) + 1
+        starts = np.concatenate([[0], brk]).tolist()
+        ends = np.concatenate([brk, [N]]).tolist()
+        spans = [(s, e) for s, e in zip(starts, ends, strict=True) if rec[s] >= 0]
 
-    def _copy(
-        self,
-        spans: Sequence[tuple[int, int]],
-        records: dict[int, RouteRecord],
-        lo: int = 0,
-        hi: int | None = None,
-    ) -> None:
-        """Copy the rows of ``spans`` (cut to output positions ``lo..hi``)."""
-        out, rec, tok, routed = self._out, self._rec, self._tok, self._routed
-        assert out is not None
-        hi = len(routed) if hi is None else hi
-        jobs: list[tuple[np.ndarray, int, int, int, int, int, int]] = []
-        for s, e in spans:
-            s, e = max(s, lo), min(e, hi)
-            if s >= e:
-                continue
-            ri = int(rec[s])
-            firsts, arrs = self._parts_of[ri]
-            t0, t1 = int(tok[s]), int(tok[s]) + (e - s)
-            routed[s:e] = records[ri].valid[t0:t1]
-            # The parts holding rows t0..t1, cut to them: one concatenate into ``out`` per
-            # layer range (a call per part cost more than the copies on 128-row chunks).
-            j = bisect.bisect_right(firsts, t0) - 1
-            cuts = []
-            while t0 < t1:
-                a, p0 = arrs[j], firsts[j]
-                stop = min(t1, p0 + a.shape[1])
-                cuts.append((a, t0 - p0, stop - p0))
-                t0, j = stop, j + 1
-            if _copy_runs is not None:  # copied below, all of this share in one call
-                for o, c0, n in self._cols_of[ri]:
-                    d = s
-                    for a, x, y in cuts:
-                        jobs.append((a, c0, n, x, y, o, d))
-                        d += y - x
-                continue
-            for o, c0, n in self._cols_of[ri]:
-                if len(cuts) == 1:
-                    a, x, y = cuts[0]
-                    out[o : o + n, s:e] = a[c0 : c0 + n, x:y]
-                else:
-                    np.concatenate(
-                        [a[c0 : c0 + n, x:y] for a, x, y in cuts],
-                        axis=1,
-                        out=out[o : o + n, s:e],
-                    )
-        if jobs:
-            # It takes runs whose rows of a layer are contiguous (a store's chunks) and
-            # leaves the rest to numpy: a record built in memory (token-major rows), the
-            # strided views of token-order chunks the Python decode path returns.
-            for j in _copy_runs(out, jobs):
-                a, c0, n, x, y, o, d = jobs[j]
-                out[o : o + n, d : d + y - x] = a[c0 : c0 + n, x:y]
+        def copy(lo: int, hi: int) -> None:
+            """Copy the rows of output positions ``lo..hi`` (cutting the runs there)."""
+            jobs: list[tuple[np.ndarray, int, int, int, int, int, int]] = []
+            i = bisect.bisect_right(spans, (lo, N)) - 1
+            for s, e in spans[max(i, 0) :]:
+                s, e = max(s, lo), min(e, hi)
+                if s >= hi:
+                    break
+                if s >= e:
+                    continue
+                ri = int(rec[s])
+                firsts, arrs = parts_of[ri]
+                t0, t1 = int(tok[s]), int(tok[s]) + (e - s)
+                routed[s:e] = records[ri].valid[t0:t1]
+                # The parts holding rows t0..t1, cut to them: one concatenate into ``out`` per
+                # layer range (a call per part cost more than the copies on 128-row chunks).
+                j = bisect.bisect_right(firsts, t0) - 1
+                cuts = []
+                while t0 < t1:
+                    a, p0 = arrs[j], firsts[j]
+                    stop = min(t1, p0 + a.shape[1])
+                    cuts.append((a, t0 - p0, stop - p0))
+                    t0, j = stop, j + 1
+                if _copy_runs is not None:  # copied below, all of this share in one call
+                    for o, c0, n in cols_of[ri]:
+                        d = s
+                        for a, x, y in cuts:
+                            jobs.append((a, c0, n, x, y, o, d))
+                            d += y - x
+                    continue
+                for o, c0, n in cols_of[ri]:
+                    if len(cuts) == 1:
+                        a, x, y = cuts[0]
+                        out[o : o + n, s:e] = a[c0 : c0 + n, x:y]
+                    else:
+                        np.concatenate(
+                            [a[c0 : c0 + n, x:y] for a, x, y in cuts],
+                            axis=1,
+                            out=out[o : o + n, s:e],
+                        )
+            if jobs:
+                # It takes runs whose rows of a layer are contiguous (a store's chunks) and
+                # leaves the rest to numpy: a record built in memory (token-major rows), the
+                # strided views of token-order chunks the Python decode path returns.
+                for j in _copy_runs(out, jobs):
+                    a, c0, n, x, y, o, d = jobs[j]
+                    out[o : o + n, d : d + y - x] = a[c0 : c0 + n, x:y]
 
-    def finish(
-        self, records: Sequence[RouteRecord] | None = None, *, input_ids: np.ndarray | None = None
-    ) -> ReplayTargets:
-        """The targets, once every record the map uses was added: fillers at positions without
-        a route and at rows the records mark invalid. ``input_ids`` (with ``records``): the
-        trainer's ``[B, S]`` token ids for this map, checked against the records
-        (:class:`TokenMismatchError`)."""
-        if self._finished:
-            raise RouteAlignmentError("this TargetGather has finished: make one per map")
-        left = sorted(set(self._spans_of) - self._added)
-        if left:
-            raise RouteAlignmentError(
-                f"records {left[:8]}{' ...' if len(left) > 8 else ''} are used by the position "
-                "map but were never added (a read that failed for them?)"
-            )
-        if input_ids is not None:
-            if records is None:
-                raise RouteAlignmentError("finish(input_ids=...) needs the records to check")
-            self.pmap.check_tokens(records, input_ids)
-        if self._out is None:
-            self._alloc(records or ())
-        out, pinned = self._out, self._pinned
-        assert out is not None and self.num_experts is not None and self.top_k is not None
-        M, N, K = out.shape
-        B, S = self.pmap.shape
-        dt = out.dtype
-        # Fillers: no route, or a row the record marks invalid (zeros would pass for expert 0).
-        none = ~self._routed
-        fill_idx = np.flatnonzero(none)
-        if fill_idx.size:
-            out[:, fill_idx] = filler_experts(
-                self.pmap.position.reshape(-1)[fill_idx], self.num_experts, K, dt
-            )[None]
-        valid = ~none
-        if B > 1:  # [M, B, S, K] -> [M, S, B, K]: Megatron's router flattens [S, B] sequence-major
-            by_seq = out.reshape(M, B, S, K).transpose(0, 2, 1, 3)
-            pinned = _empty(M * N * K, dt, self.pin_memory)
-            if pinned is None:
-                out = np.ascontiguousarray(by_seq).reshape(M, N, K)
-            else:
-                out = pinned.numpy().reshape(M, S, B, K)
-                np.copyto(out, by_seq)
-                out = out.reshape(M, N, K)
-            valid = np.ascontiguousarray(valid.reshape(B, S).T).reshape(N)
-        if pinned is not None:
-            pinned = pinned.view(M, N, K)
-        self._finished = True  # the output is handed over: a second finish() would alias it
-        return ReplayTargets(self.layers, out, self.num_experts, int(fill_idx.size), valid, pinned)
+        _run_split(copy, N, out.nbytes)
+    # Fillers: no route, or a row the record marks invalid (zeros there would pass for expert 0).
+    none = ~routed
+    fill_idx = np.flatnonzero(none)
+    if fill_idx.size:
+        out[:, fill_idx] = filler_experts(
+            pmap.position.reshape(-1)[fill_idx], num_experts, top_k, dt
+        )[None]
+    valid = ~none
+    if B > 1:  # [M, B, S, K] -> [M, S, B, K]: Megatron's router flattens [S, B] sequence-major
+        by_seq = out.reshape(M, B, S, top_k).transpose(0, 2, 1, 3)
+        pinned = _empty(M * N * top_k, dt, pin_memory)
+        if pinned is None:
+            out = np.ascontiguousarray(by_seq).reshape(M, N, top_k)
+        else:
+            out = pinned.numpy().reshape(M, S, B, top_k)
+            np.copyto(out, by_seq)
+            out = out.reshape(M, N, top_k)
+        valid = np.ascontiguousarray(valid.reshape(B, S).T).reshape(N)
+    if pinned is not None:
+        pinned = pinned.view(M, N, top_k)
+    return ReplayTargets(layers, out, num_experts, int(fill_idx.size), valid, pinned)
 
 
 def _empty(n: int, dt: np.dtype, pin_memory: bool) -> torch.Tensor | None:

@@ -151,7 +151,6 @@ def run(url: str, args) -> dict:
     from routereplay.client import RouteRecord, RouteStore, batch_decoder, codec_kernel
     from routereplay.trainer_adapter import (
         ReplayTargets,
-        TargetGather,
         gather_targets,
         sample_from_record,
         thd_position_map,
@@ -194,21 +193,9 @@ def run(url: str, args) -> dict:
     align_s, pm = _timeit(lambda: align(recs), args.repeat)
     gather_s, t = _timeit(lambda: gather(pm, recs), args.repeat)
 
-    def prepare_after(_step: object = None):
-        """get_many, then align and gather: the copy starts once the whole read is done."""
+    def prepare(_step: object = None):
         r = fetch()
         return gather(align(r), r)
-
-    def streamed(st: RouteStore = store, pin_memory: bool = False) -> ReplayTargets:
-        """The map from the trainer's own lengths first; each record's rows copied into the
-        targets as it arrives, while later chunks are read (TargetGather)."""
-        pm = thd_position_map([sample_from_record(i, int(n)) for i, n in enumerate(lens)], cu)
-        g = TargetGather(pm.local(), layers, pin_memory=pin_memory)
-        r = st.get_many(ids, on_record=g.add)
-        return g.finish(r, input_ids=input_ids)
-
-    def prepare(_step: object = None):
-        return torch.from_numpy(streamed().experts)
 
     # Floor: the same stored bytes read from Redis (both round trips) and copied once, into a
     # buffer reused from call to call. Not a fresh bytes object: past glibc's largest
@@ -227,15 +214,12 @@ def run(url: str, args) -> dict:
         np.concatenate([np.frombuffer(b, np.uint8) for b in stored], out=blob)
         return raw, blob
 
-    e2e_s, t_streamed, floor_s, (raw, blob) = _timeit_pair(prepare, floor, args.repeat)
-    after_s, t_after = _timeit(prepare_after, args.repeat)
-    assert torch.equal(t_streamed, t), "the streamed gather gave other targets"
-    assert torch.equal(t_after, t), "get_many then gather_targets gave other targets"
+    e2e_s, _, floor_s, (raw, blob) = _timeit_pair(prepare, floor, args.repeat)
     # The same preparation with the chunks decoded on the calling thread only.
     serial_store = RouteStore.from_url(
         url, prefix="rrbench", decode_threads=1, block_size=args.block_size
     )
-    e2e1_s, t1 = _timeit(lambda: torch.from_numpy(streamed(serial_store).experts), args.repeat)
+    e2e1_s, t1 = _timeit(lambda: gather(align(r := serial_store.get_many(ids)), r), args.repeat)
     serial_store.close()
     assert tuple(t.shape) == (args.layers, n_tokens, args.topk), t.shape
     # One rank of TP=2 x SP (half the rows) and of CP=2 (zigzag): the per-rank gather cost.
@@ -281,7 +265,8 @@ def run(url: str, args) -> dict:
     on_gpu = args.step_device != "cpu"
 
     def prepare_step(_step: object = None) -> ReplayTargets:
-        return streamed(pin_memory=on_gpu)
+        r = fetch()
+        return targets(align(r), r, pin_memory=on_gpu)
 
     def install(tg: ReplayTargets) -> object:
         return tg.to_torch(args.step_device) if on_gpu else tg
@@ -334,8 +319,6 @@ def run(url: str, args) -> dict:
         "decode_threads": store.decode_threads,
         "end_to_end_s": e2e_s,
         "end_to_end_tokens_per_s": n_tokens / e2e_s,
-        "end_to_end_gather_after_read_s": after_s,
-        "gather_after_read_over_floor": after_s / floor_s,
         "end_to_end_one_thread_s": e2e1_s,
         "tp2_sp_rank_gather_s": sp_s,
         "install_on_gpu_s": install_s,
@@ -492,7 +475,6 @@ def main(argv: list[str] | None = None) -> int:
         ("align_check_s", "position map + token check"),
         ("gather_to_torch_s", "gather -> torch (all rows)"),
         ("end_to_end_s", f"END TO END per step ({th} thr)"),
-        ("end_to_end_gather_after_read_s", "  gather after the read"),
         ("end_to_end_one_thread_s", "end to end, 1 decode thread"),
         ("tp2_sp_rank_gather_s", "gather, one TP2+SP rank"),
     ]:
