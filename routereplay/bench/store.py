@@ -40,6 +40,8 @@ class Shape:
 SHAPES = [
     Shape("Qwen3-30B-A3B", 48, 0, 128, 8),
     Shape("DeepSeek-V3", 61, 3, 256, 8),
+    # More than 256 experts: uint16 ids, the codec's low-byte and high-byte planes.
+    Shape("Kimi-K2", 61, 1, 384, 8),
 ]
 
 
@@ -239,7 +241,9 @@ def bench_sizes_and_speed(rng: np.random.Generator, T: int, repeat: int) -> None
                 )
         skew_b = skewed_entropy_bits(shape.num_experts) * M * shape.top_k / 8
         print(
-            f"{'':14s} raw uint8 {raw_u8} B/token (MoE rows); vLLM inline {vllm_b:.0f} B/token; "
+            f"{'':14s} raw uint8 {raw_u8} B/token (MoE rows"
+            + ("" if shape.num_experts <= 256 else f"; stored raw as uint16: {2 * raw_u8}")
+            + f"); vLLM inline {vllm_b:.0f} B/token; "
             f"SGLang inline {sgl_b:.0f} B/token\n{'':14s} bounds: uniform "
             f"{bound_bits(shape, True) * M / 8:.1f} ordered, "
             f"{bound_bits(shape, False) * M / 8:.1f} sorted; skewed workload entropy "
