@@ -76,7 +76,7 @@ static int load_zstd(void) {
  * one chunk
  * ---------------------------------------------------------------------------------------- */
 enum { XF_PLAIN = 0, XF_DELTA = 1, XF_GAPS = 2, XF_KEEP = 3, XF_TOKENS = 4 };
-enum { KIND_CHUNK = 2, MAX_VERSION = 4, HASH_BLAKE3_ROWS = 3, DIGEST = 16, HEADER = 16 };
+enum { KIND_CHUNK = 2, MAX_VERSION = 5, HASH_BLAKE3_ROWS = 3, DIGEST = 16, HEADER = 16 };
 /* Larger shapes are left to the Python path, so that no size below can overflow. */
 #define MAX_DIM ((uint64_t)1 << 31)
 #define MAX_ROWS ((uint64_t)1 << 40)
@@ -85,7 +85,7 @@ typedef struct {
     const uint8_t *blob, *digest;
     size_t len, dlen;
     /* payload fields */
-    uint64_t T, M, K, E, xf, raw, ha;
+    uint64_t T, M, K, E, xf, raw, ha, hp; /* hp: packed high bits (format 5) */
     int canon;
     const uint8_t *body, *pc;
     size_t body_len, pc_len;
@@ -163,6 +163,7 @@ static int parse(chunk_t *c) {
     }
     unsigned seen = 0; /* T M K E xf raw body pc ha */
     c->canon = 0;
+    c->hp = 0;
     for (uint64_t e = 0; e < entries; e++) {
         if (r.p >= r.end || (*r.p & 0xe0) != 0xa0) return 0; /* fixstr keys only */
         const size_t kl = *r.p & 0x1f;
@@ -178,6 +179,7 @@ static int parse(chunk_t *c) {
         else if (key_is(k, kl, "xf")) dst = &c->xf, bit = 16;
         else if (key_is(k, kl, "raw")) dst = &c->raw, bit = 32;
         else if (key_is(k, kl, "ha")) dst = &c->ha, bit = 256;
+        else if (key_is(k, kl, "hp")) dst = &c->hp, bit = 0; /* optional */
         if (dst) {
             if (rd_uint(&r, dst)) return 0;
             seen |= bit;
@@ -201,10 +203,18 @@ static int parse(chunk_t *c) {
     if (c->M * c->K != 0 && c->T > MAX_ROWS / (c->M * c->K)) return 0;
     c->isz = c->E <= 256 ? 1 : 2;
     c->n = (size_t)(c->T * c->M * c->K);
+    /* Packed high bits: only for 257 to 512 experts and transforms whose values are the ids
+     * (_codec._high_bit_limit); their exact size is known once the low bytes are (decode). */
+    if (c->hp > 1 || (c->hp && (c->E <= 256 || c->E > 512 || c->xf == XF_DELTA ||
+                                c->xf == XF_GAPS)))
+        return 0;
     const uint64_t head = 4 * c->T + (c->T + 7) / 8;
+    const uint64_t hi_max = c->hp ? (c->n + 7) / 8 : 0; /* the high bits' most bytes */
     if (c->xf == XF_KEEP) {
-        if (c->raw < head + (c->n + 7) / 8 || c->raw > head + (c->n + 7) / 8 + c->n * c->isz)
-            return 0;
+        const uint64_t most = c->hp ? c->n + hi_max : c->n * c->isz;
+        if (c->raw < head + (c->n + 7) / 8 || c->raw > head + (c->n + 7) / 8 + most) return 0;
+    } else if (c->hp) {
+        if (c->raw < head + c->n || c->raw > head + c->n + hi_max) return 0;
     } else if (c->raw != head + c->n * c->isz) {
         return 0;
     }
@@ -254,29 +264,34 @@ static int decode(chunk_t *c, const uint8_t *raw, uint16_t *scratch, int64_t *to
     const size_t T = c->T, M = c->M, K = c->K, n = c->n, vb = (T + 7) / 8;
     const uint8_t *rows = raw + 4 * T + vb;
     uint8_t *out = c->out + c->row_off;
+    const size_t rows_len = c->raw - (4 * T + vb);
+    const unsigned lim = c->hp ? (unsigned)(c->E - 256) : 0;
     if (c->xf == XF_KEEP) {
         const size_t mb = (n + 7) / 8;
         const size_t ones = count_bits(rows, mb);
         if (n % 8 && rows[mb - 1] & ((1u << (8 - n % 8)) - 1)) return 0; /* bits past the end */
-        if (c->raw != 4 * T + vb + mb + ones * c->isz) return 0;
+        if (!c->hp && c->raw != 4 * T + vb + mb + ones * c->isz) return 0;
         for (size_t s = 0; s < M * K && T; s++)
             if (!((rows[(s * T) >> 3] >> (7 - ((s * T) & 7))) & 1)) return 0;
         if (!n) {
         } else if (c->isz == 1) {
             join_u8(rows, rows + mb, ones, out, M, T, K, 1);
         } else {
-            join_planes(rows + mb, ones, scratch);
+            if (!c->hp) join_planes(rows + mb, ones, scratch);
+            else if (!join_high(rows + mb, ones, rows_len - mb, lim, scratch)) return 0;
             join_u16(rows, scratch, (uint16_t *)out, M, T, K);
         }
     } else if (c->xf == XF_TOKENS) {
         if (c->isz == 1) {
             tokens_uint8_t(rows, out, M, T, K);
         } else {
-            join_planes(rows, n, scratch);
+            if (!c->hp) join_planes(rows, n, scratch);
+            else if (!join_high(rows, n, rows_len, lim, scratch)) return 0;
             tokens_uint16_t(scratch, (uint16_t *)out, M, T, K);
         }
     } else if (c->isz == 2) {
-        join_planes(rows, n, (uint16_t *)out);
+        if (!c->hp) join_planes(rows, n, (uint16_t *)out);
+        else if (!join_high(rows, n, rows_len, lim, (uint16_t *)out)) return 0;
     } else if (out != rows) {
         memcpy(out, rows, n);
     }

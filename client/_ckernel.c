@@ -84,6 +84,32 @@ done:
     Py_RETURN_NONE;
 }
 
+/* join_high(data, out, limit) -> None
+ *
+ * Format 5's ids (257 to 512 experts): ``data`` holds len(out) low bytes, then one packed bit
+ * per id whose low byte is below ``limit`` (the high bit); ``out`` writable uint16. ValueError
+ * when the sizes or the padding bits disagree (the codec checks them first and names them).
+ */
+static PyObject *join_high_py(PyObject *self, PyObject *args) {
+    Py_buffer data, out;
+    Py_ssize_t limit;
+    if (!PyArg_ParseTuple(args, "y*w*n", &data, &out, &limit)) return NULL;
+    int ok = 0;
+    if (out.len % 2 == 0 && limit >= 0 && limit <= 256) {
+        Py_BEGIN_ALLOW_THREADS
+        ok = join_high((const uint8_t *)data.buf, (size_t)out.len / 2, (size_t)data.len,
+                       (unsigned)limit, (uint16_t *)out.buf);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&out);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "join_high: the high bits do not match the low bytes");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 /* hist_u8(data, counts) -> None
  *
  * counts: writable 256 int64, set to the number of each byte value in data. The encoder's
@@ -219,6 +245,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"keep_join", keep_join, METH_VARARGS, "Inverse of the codec's keep transform (see _codec)."},
+    {"join_high", join_high_py, METH_VARARGS, "Format 5's packed high bits -> uint16 ids."},
     {"hist_u8", hist_u8, METH_VARARGS, "Byte histogram: counts[v] = number of bytes equal to v."},
     {"copy_runs", copy_runs, METH_VARARGS, "The gather's row copies without the GIL."},
     {NULL, NULL, 0, NULL},

@@ -77,8 +77,11 @@ MAGIC = b"RRTE"
 # version 2, so a version-2 reader still reads them.
 # 4: store chunks addressed by blake3 over their rows first (twice as fast to verify), written
 # as version 4; records and manifests keep their versions.
+# 5: for 256 < E <= 512, the high byte of each id is one bit, packed, and stored only for ids
+# whose low byte is below E - 256 (the others' must be 0): field ``hp``. Only blobs that use it
+# say 5.
 # Older blobs stay readable; an older reader refuses a newer blob with an upgrade message.
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 MEDIA_TYPE = "application/vnd.routereplay.record"
 
 KIND_RECORD = 1
@@ -142,7 +145,9 @@ def _zd() -> zstandard.ZstdDecompressor:
 def frame(kind: int, payload: dict[str, Any]) -> bytes:
     body = msgpack.packb(payload, use_bin_type=True)
     # The lowest version that can read it: older readers keep reading what they can.
-    if payload.get("ha") == 3:  # store chunks, rows-first blake3 address
+    if payload.get("hp"):  # packed high bits (ids of 257 to 512 experts)
+        version = 5
+    elif payload.get("ha") == 3:  # store chunks, rows-first blake3 address
         version = 4
     else:
         version = 3 if payload.get("xf") == XF_TOKENS else 2
@@ -300,6 +305,62 @@ def _delta(lm: np.ndarray) -> np.ndarray:
     return out
 
 
+# Writers pack the high bits where they can (format 5); tests turn it off to write format-4
+# bodies, which every reader must keep reading.
+_PACK_HIGH_BITS = True
+
+
+def _high_bit_limit(num_experts: int, xf: int) -> int | None:
+    """Low bytes below this carry a stored high bit (format 5), for ids of 257 to 512 experts
+    under a transform whose values are the ids themselves (below E; ``delta`` and ``gaps``
+    values wrap around); None: a byte plane of high bytes.
+
+    Why: the high byte of such an id is 0 or 1, and zstd codes a byte stream of two symbols at
+    ~1.5 bits each (384 experts, uniform: 9.5 bits per id against a bound of 8.57). Packed, a
+    bit costs a bit; and an id whose low byte is >= E - 256 cannot be >= 256, so its bit is not
+    stored at all (uniform 384-expert ids: 2/3 of a bit each)."""
+    if 256 < num_experts <= 512 and xf in (XF_PLAIN, XF_KEEP, XF_TOKENS):
+        return num_experts - 256
+    return None
+
+
+def _high_bits(low: np.ndarray, high: np.ndarray, limit: int) -> bytes:
+    """The packed high bits of the ids whose low byte is below ``limit``."""
+    if high.size and int(high.max()) > 1:  # ids are < E <= 512: unreachable, kept as a guard
+        raise ValueError("an id of 512 or more cannot be coded with packed high bits")
+    return np.packbits(high[low < limit]).tobytes()
+
+
+def _split_high(data: memoryview, n: int, limit: int | None, what: str) -> tuple[int, int]:
+    """(bytes of the row planes, ids with a stored high bit) for ``n`` ids at the start of
+    ``data``, checking the packed bits fill their bytes exactly; limit None: byte planes."""
+    if limit is None:
+        return 2 * n, 0
+    if len(data) < n:
+        raise RouteCorruptError(f"{what}: body too short for its ids' low bytes")
+    low = np.frombuffer(data[:n], dtype=np.uint8)
+    n_hi = int(np.count_nonzero(low < limit))
+    size = n + (n_hi + 7) // 8
+    if len(data) == size and n_hi % 8 and data[size - 1] & ((1 << (8 - n_hi % 8)) - 1):
+        raise RouteCorruptError(f"{what}: high bits set past the last id")
+    return size, n_hi
+
+
+def _join_high(data: memoryview, shape: tuple[int, ...], limit: int, n_hi: int) -> np.ndarray:
+    """Inverse of the packed high bits: the low bytes, plus 256 where a stored bit is set
+    (``data``: exactly those bytes, checked by :func:`_split_high`)."""
+    n = math.prod(shape)
+    if _KERNEL is not None:
+        out = np.empty(n, np.uint16)
+        _KERNEL.join_high(data, out, limit)
+        return out.reshape(shape)
+    low = np.frombuffer(data[:n], dtype=np.uint8)
+    out = low.astype(np.uint16)
+    bits = np.unpackbits(np.frombuffer(data[n:], dtype=np.uint8), count=n_hi)
+    out[low < limit] |= bits.astype(np.uint16) << 8
+    return out.reshape(shape)
+
+
 def _join_planes(data: memoryview, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     if dtype == np.uint8:
         return np.frombuffer(data, dtype=np.uint8).reshape(shape)
@@ -406,9 +467,12 @@ def _transform_cost(xf: int, lm: np.ndarray, per_layer: bool) -> float:
     return _layer_cost(_ROWS[xf](lm), per_layer)
 
 
-def _plane_segments(a: np.ndarray, per_layer: bool, bounds: list[int]) -> list[bytes]:
+def _plane_segments(
+    a: np.ndarray, per_layer: bool, bounds: list[int], limit: int | None = None
+) -> list[bytes]:
     """The bytes of ``a`` (flat, layer-major) as compression segments: low bytes split at the
-    layer ``bounds`` when ``per_layer``, then the near-constant high bytes of uint16 ids."""
+    layer ``bounds`` when ``per_layer``, then the near-constant high bytes of uint16 ids (the
+    packed high bits, with ``limit``: :func:`_high_bit_limit`)."""
     flat = a.reshape(-1)
     if flat.dtype == np.uint8:
         low, high = flat, None
@@ -420,7 +484,7 @@ def _plane_segments(a: np.ndarray, per_layer: bool, bounds: list[int]) -> list[b
     else:
         segs = [low.tobytes()]
     if high is not None:
-        segs.append(high.tobytes())
+        segs.append(high.tobytes() if limit is None else _high_bits(low, high, limit))
     return segs
 
 
@@ -429,18 +493,20 @@ def _row_segments(
     lm: np.ndarray,
     per_layer: bool,
     split: tuple[np.ndarray, np.ndarray] | None = None,
+    limit: int | None = None,
 ) -> list[bytes]:
     """The compression segments of layer-major rows ``lm`` under row transform ``xf``
-    (``split``: ``_keep_split(lm)`` when the caller has it already)."""
+    (``split``: ``_keep_split(lm)`` when the caller has it already; ``limit``: packed high
+    bits, :func:`_high_bit_limit`)."""
     if xf == XF_KEEP:
         changed, values = _keep_split(lm) if split is None else split
         segs = [np.packbits(changed.reshape(-1)).tobytes()]
-        return segs + _plane_segments(values, per_layer, _value_bounds(changed))
+        return segs + _plane_segments(values, per_layer, _value_bounds(changed), limit)
     if xf == XF_TOKENS:  # one table: token order mixes the layers
-        return _plane_segments(np.ascontiguousarray(lm.transpose(1, 0, 2)), False, [])
+        return _plane_segments(np.ascontiguousarray(lm.transpose(1, 0, 2)), False, [], limit)
     M, T, K = lm.shape
     bounds = [T * K * m for m in range(1, M)]
-    return _plane_segments(np.ascontiguousarray(_ROWS[xf](lm)), per_layer, bounds)
+    return _plane_segments(np.ascontiguousarray(_ROWS[xf](lm)), per_layer, bounds, limit)
 
 
 def _compress(segments: list[bytes]) -> bytes:
@@ -514,20 +580,24 @@ def encode_body(
     # longer rows match within a layer. A large block is tried on a sample, both ways
     # (~0.05 ms); a small one whole, against the body it gets anyway.
     trial = None
+    wide = experts_lm.dtype == np.uint16 and _PACK_HIGH_BITS
+    lim_t = _high_bit_limit(num_experts, XF_TOKENS) if wide else None
     if transform is None and T > 1 and experts_lm.size and K * experts_lm.itemsize < 8:
         trial = _sample_tokens(experts_lm, _TRIAL)
+        lim = _high_bit_limit(num_experts, xf) if wide else None
         if trial is not experts_lm and len(
-            _compress(_row_segments(XF_TOKENS, trial, False))
-        ) < 0.97 * len(_compress(_row_segments(xf, trial, False))):
+            _compress(_row_segments(XF_TOKENS, trial, False, limit=lim_t))
+        ) < 0.97 * len(_compress(_row_segments(xf, trial, False, limit=lim))):
             xf = XF_TOKENS
-    segments = [head, *_row_segments(xf, experts_lm, per_layer, keep_split)]
+    lim = _high_bit_limit(num_experts, xf) if wide else None
+    segments = [head, *_row_segments(xf, experts_lm, per_layer, keep_split, lim)]
     body = _compress(segments)
     if trial is experts_lm:
-        alt = [head, *_row_segments(XF_TOKENS, experts_lm, False)]
+        alt = [head, *_row_segments(XF_TOKENS, experts_lm, False, limit=lim_t)]
         alt_body = _compress(alt)
         if len(alt_body) < 0.97 * len(body):
-            xf, segments, body = XF_TOKENS, alt, alt_body
-    return {
+            xf, segments, body, lim = XF_TOKENS, alt, alt_body, lim_t
+    out = {
         "T": T,
         "M": M,
         "K": K,
@@ -537,6 +607,9 @@ def encode_body(
         "raw": sum(len(x) for x in segments),
         "body": body,
     }
+    if lim is not None:
+        out["hp"] = 1  # format 5: absent, older readers' byte plane
+    return out
 
 
 _INT = {int}
@@ -587,7 +660,17 @@ def decode_body(p: dict[str, Any], what: str) -> Block:
     if xf not in _TRANSFORMS:
         raise RouteCorruptError(f"{what}: unknown row transform {xf}")
     n = M * T * K
+    hp = p.get("hp", 0)
+    if type(hp) is not int or hp not in (0, 1):
+        raise RouteCorruptError(f"{what}: high-bits field {hp!r} is not 0 or 1")
+    limit = _high_bit_limit(E, xf) if hp else None
+    if hp and limit is None:
+        raise RouteCorruptError(
+            f"{what}: packed high bits need 257 to 512 experts and the ids as values (E={E}, "
+            f"transform {xf})"
+        )
     mask = None
+    n_hi = 0
     if xf == XF_KEEP:
         mb = (n + 7) // 8
         if raw_len < 4 * T + vb + mb:
@@ -595,9 +678,15 @@ def decode_body(p: dict[str, Any], what: str) -> Block:
         mask = np.frombuffer(mv[4 * T + vb : 4 * T + vb + mb], dtype=np.uint8)
         pop = _POP[mask]
         n_values = int(pop.sum())
-        n_rows = mb + n_values * dtype.itemsize
+        if dtype.itemsize == 1:
+            n_rows = mb + n_values
+        else:
+            size, n_hi = _split_high(mv[4 * T + vb + mb :], n_values, limit, what)
+            n_rows = mb + size
+    elif dtype.itemsize == 1:
+        n_rows = n
     else:
-        n_rows = n * dtype.itemsize
+        n_rows, n_hi = _split_high(mv[4 * T + vb :], n, limit, what)
     if raw_len != 4 * T + vb + n_rows:
         raise RouteCorruptError(
             f"{what}: body size {raw_len} does not match T={T}, M={M}, K={K}, E={E}"
@@ -612,7 +701,11 @@ def decode_body(p: dict[str, Any], what: str) -> Block:
             raise RouteCorruptError(f"{what}: change bits leave a stream without its first id")
         if n % 8 and mask[-1] & ((1 << (8 - n % 8)) - 1):
             raise RouteCorruptError(f"{what}: change bits set past the last row")
-        values = _join_planes(mv[4 * T + vb + mask.size :], (n_values,), dtype)
+        vals = mv[4 * T + vb + mask.size :]
+        if limit is None:
+            values = _join_planes(vals, (n_values,), dtype)
+        else:
+            values = _join_high(vals, (n_values,), limit, n_hi)
         if not n:
             lm = np.empty((M, T, K), dtype)
         elif _KERNEL is not None:
@@ -623,8 +716,10 @@ def decode_body(p: dict[str, Any], what: str) -> Block:
                 raise RouteCorruptError(f"{what}: {exc}") from exc
         else:
             lm = _keep_join(mask, pop, values, (M, T, K))
-    else:
+    elif limit is None:
         lm = _join_planes(mv[4 * T + vb :], (M, T, K), dtype)
+    else:
+        lm = _join_high(mv[4 * T + vb :], (M, T, K), limit, n_hi)
     if xf == XF_TOKENS:  # stored [T, M, K]: a strided layer-major view, no copy
         lm = lm.reshape(T, M, K).transpose(1, 0, 2)
     elif xf == XF_DELTA:

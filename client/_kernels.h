@@ -167,4 +167,31 @@ static void join_u16(const uint8_t *restrict mb, const uint16_t *restrict v0,
     JOIN_BODY(uint16_t)
 }
 
+/* Format 5 (the codec's ``hp``, 257 to 512 experts): ``n`` low bytes, then one bit per id whose
+ * low byte is below ``lim``, packed in np.packbits order (an id with a larger low byte is below
+ * 256) -> native uint16. ``avail``: the bytes from ``src`` on, which must be exactly those, the
+ * padding bits clear; returns 0 (nothing guaranteed written) if not. No branch per id: a
+ * uniform 384-expert id has its bit stored with p = 2/3, a branch would mispredict often. */
+static inline int join_high(const uint8_t *src, size_t n, size_t avail, unsigned lim,
+                            uint16_t *dst) {
+    if (avail < n) return 0;
+    size_t hi = 0;
+    for (size_t i = 0; i < n; i++) hi += src[i] < lim;
+    if (avail != n + (hi + 7) / 8) return 0;
+    const uint8_t *bits = src + n;
+    if (hi % 8 && bits[hi / 8] & ((1u << (8 - hi % 8)) - 1)) return 0;
+    if (!hi) {
+        for (size_t i = 0; i < n; i++) dst[i] = src[i];
+        return 1;
+    }
+    size_t j = 0;
+    for (size_t i = 0; i < n; i++) {
+        const unsigned v = src[i], e = v < lim;
+        const size_t jj = j < hi ? j : hi - 1; /* in bounds; its bit counts only where e */
+        dst[i] = (uint16_t)(v | (e & (unsigned)(bits[jj >> 3] >> (7 - (jj & 7)))) << 8);
+        j += e;
+    }
+    return 1;
+}
+
 #endif

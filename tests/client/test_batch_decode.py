@@ -13,6 +13,7 @@ from unittest import mock
 import msgpack
 import numpy as np
 import pytest
+import zstandard
 
 from routereplay.client import RouteCorruptError, RouteRecord, RouteStore, batch_decoder
 from routereplay.client import _codec as C
@@ -100,7 +101,7 @@ def test_the_batch_decoder_is_built_and_usable_in_this_install() -> None:
 TRANSFORMS = [C.XF_PLAIN, C.XF_DELTA, C.XF_KEEP, C.XF_TOKENS]
 
 
-@pytest.mark.parametrize("E", [8, 128, 256, 257, 300, 65536])
+@pytest.mark.parametrize("E", [8, 128, 256, 257, 300, 384, 512, 513, 65536])
 @pytest.mark.parametrize("xf", [*TRANSFORMS, None])
 def test_every_row_transform_and_id_width_decodes_as_the_python_path(E: int, xf: int | None):
     rng = np.random.default_rng(E * 7 + (xf or 9))
@@ -356,3 +357,38 @@ def test_random_multi_byte_damage_decodes_as_the_python_path() -> None:
                 _same(g, good)
             else:
                 _same(g, want)
+
+
+@pytest.mark.parametrize("xf", [C.XF_PLAIN, C.XF_KEEP, C.XF_TOKENS])
+def test_malformed_packed_high_bits_go_to_the_python_path(xf: int) -> None:
+    """Format 5 (ids of 257 to 512 experts): every way its high bits can disagree with their
+    low bytes is refused by the batch decoder and named by the Python path."""
+    rng = np.random.default_rng(4 + xf)
+    d, blob = _chunk(rng, 13, 2, 3, 384, xf, sticky=0.5)
+    p = C.unframe(blob, C.KIND_CHUNK, "x")
+    assert p["hp"] == 1 and blob[4] == 5
+    raw = zstandard.ZstdDecompressor().decompress(p["body"], max_output_size=p["raw"])
+
+    def with_raw(r: bytes) -> bytes:
+        body = zstandard.ZstdCompressor().compress(r)
+        return _reframe(blob, {**p, "raw": len(r), "body": body})
+
+    flipped = bytearray(raw)
+    flipped[-1] ^= 1  # a padding bit, or the last stored bit (then the address disagrees)
+    variants = {
+        "one byte of high bits more": with_raw(raw + b"\0"),
+        "one byte of high bits less": with_raw(raw[:-1]),
+        "last bit flipped": with_raw(bytes(flipped)),
+        "hp on 256 experts": _reframe(blob, {**p, "E": 256}),
+        "hp on 513 experts": _reframe(blob, {**p, "E": 513}),
+        "hp = 2": _reframe(blob, {**p, "hp": 2}),
+        "hp with delta": _reframe(blob, {**p, "xf": C.XF_DELTA}),
+        "hp with gaps": _reframe(blob, {**p, "xf": C.XF_GAPS}),
+        "no hp": _reframe(blob, {k: v for k, v in p.items() if k != "hp"}),
+    }
+    for name, bad in variants.items():
+        got = _check([(d, bad), (d, blob)])
+        _, _, results = _BATCH.decode_chunks([d, d], [bad, blob])
+        assert results[0] is None, name
+        assert results[1] is not None and isinstance(got[1], Block), name
+        assert isinstance(got[0], RouteCorruptError), (name, got[0])
