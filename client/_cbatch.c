@@ -279,7 +279,7 @@ static int decode(chunk_t *c, const uint8_t *raw, uint16_t *scratch, int64_t *to
         } else {
             if (!c->hp) join_planes(rows + mb, ones, scratch);
             else if (!join_high(rows + mb, ones, rows_len - mb, lim, scratch)) return 0;
-            join_u16(rows, scratch, (uint16_t *)out, M, T, K);
+            join_u16(rows, scratch, ones, (uint16_t *)out, M, T, K, 1);
         }
     } else if (c->xf == XF_TOKENS) {
         if (c->isz == 1) {

@@ -70,7 +70,8 @@ static PyObject *keep_join(PyObject *self, PyObject *args) {
             join_u8(mb, (const uint8_t *)values.buf, (size_t)nv, (uint8_t *)out.buf, M, T, K,
                     simd);
         else if (!err)
-            join_u16(mb, (const uint16_t *)values.buf, (uint16_t *)out.buf, M, T, K);
+            join_u16(mb, (const uint16_t *)values.buf, (size_t)nv, (uint16_t *)out.buf, M, T,
+                     K, simd);
         Py_END_ALLOW_THREADS
     }
 done:

@@ -85,22 +85,26 @@ static const uint8_t RANKS[256][8] = {RR_P64(0), RR_P64(64), RR_P64(128), RR_P64
         jk[k] = j;                                                                         \
         j += count_bits(mrow + k * tb, tb);                                                \
     }                                                                                      \
-    uint8_t *dst = o + (size_t)m * (size_t)T * 8;
+    __typeof__(o) dst = o + (size_t)m * (size_t)T * 8;
 
-static void join_u8_k8_scalar(const uint8_t *restrict mb, const uint8_t *restrict v0,
-                              uint8_t *restrict o, ptrdiff_t M, ptrdiff_t T) {
-    size_t j = 0;
-    for (ptrdiff_t m = 0; m < M; m++) {
-        RR_K8_LAYER_SETUP
-        for (size_t b = 0; b < tb; b++, dst += 64)
-            for (int k = 0; k < 8; k++) {
-                const uint8_t *r = RANKS[mrow[k * tb + b]];
-                const uint8_t *v = v0 + jk[k] - 1;
-                for (int i = 0; i < 8; i++) dst[i * 8 + k] = v[r[i]];
-                jk[k] += r[7];
-            }
+#define RR_K8_SCALAR(T_)                                                                   \
+    static void join_k8_scalar_##T_(const uint8_t *restrict mb, const T_ *restrict v0,     \
+                                    T_ *restrict o, ptrdiff_t M, ptrdiff_t T) {            \
+        size_t j = 0;                                                                      \
+        for (ptrdiff_t m = 0; m < M; m++) {                                                \
+            RR_K8_LAYER_SETUP                                                              \
+            for (size_t b = 0; b < tb; b++, dst += 64)                                     \
+                for (int k = 0; k < 8; k++) {                                              \
+                    const uint8_t *r = RANKS[mrow[k * tb + b]];                            \
+                    const T_ *v = v0 + jk[k] - 1;                                          \
+                    for (int i = 0; i < 8; i++) dst[i * 8 + k] = v[r[i]];                  \
+                    jk[k] += r[7];                                                         \
+                }                                                                          \
+        }                                                                                  \
     }
-}
+RR_K8_SCALAR(uint8_t)
+RR_K8_SCALAR(uint16_t)
+#define join_u8_k8_scalar join_k8_scalar_uint8_t
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -140,6 +144,70 @@ __attribute__((target("ssse3"))) static void join_u8_k8_ssse3(
         }
     }
 }
+
+/* RR_SH16[w]: the pshufb mask that gathers a stream's eight uint16 ids for mask byte w from the
+ * values v[j - 1 .. j + 6]: id i is value j - 1 + RANKS[w][i], bytes 2r and 2r + 1 of the load.
+ * RANKS reaches 8 only for w = 0xFF (every id new), which the join loads directly instead. */
+#define RR_R(w, i)                                                                         \
+    (RR_B(w, 0) + ((i) >= 1 ? RR_B(w, 1) : 0) + ((i) >= 2 ? RR_B(w, 2) : 0) +              \
+     ((i) >= 3 ? RR_B(w, 3) : 0) + ((i) >= 4 ? RR_B(w, 4) : 0) + ((i) >= 5 ? RR_B(w, 5) : 0) + \
+     ((i) >= 6 ? RR_B(w, 6) : 0) + ((i) >= 7 ? RR_B(w, 7) : 0))
+#define RR_L(w, i) (uint8_t)(2 * RR_R(w, i)), (uint8_t)(2 * RR_R(w, i) + 1)
+#define RR_S(w)                                                                            \
+    {RR_L(w, 0), RR_L(w, 1), RR_L(w, 2), RR_L(w, 3), RR_L(w, 4), RR_L(w, 5), RR_L(w, 6),    \
+     RR_L(w, 7)}
+#define RR_S4(w) RR_S(w), RR_S((w) + 1), RR_S((w) + 2), RR_S((w) + 3)
+#define RR_S16(w) RR_S4(w), RR_S4((w) + 4), RR_S4((w) + 8), RR_S4((w) + 12)
+#define RR_S64(w) RR_S16(w), RR_S16((w) + 16), RR_S16((w) + 32), RR_S16((w) + 48)
+static const uint8_t RR_SH16[256][16] = {RR_S64(0), RR_S64(64), RR_S64(128), RR_S64(192)};
+
+/* join_u8_k8_ssse3 for uint16 ids: one load and shuffle per stream, an 8 x 8 transpose of
+ * 16-bit lanes, eight 16-byte rows stored. Reads v0[j - 1 .. j + 7] only where they lie inside
+ * the ``nv`` values; the first and last few ids take the scalar lane. */
+__attribute__((target("ssse3"))) static void join_u16_k8_ssse3(
+    const uint8_t *restrict mb, const uint16_t *restrict v0, size_t nv, uint16_t *restrict o,
+    ptrdiff_t M, ptrdiff_t T) {
+    size_t j = 0;
+    for (ptrdiff_t m = 0; m < M; m++) {
+        RR_K8_LAYER_SETUP
+        for (size_t b = 0; b < tb; b++, dst += 64) {
+            __m128i L[8];
+            for (int k = 0; k < 8; k++) {
+                const uint8_t w = mrow[k * tb + b];
+                const size_t jj = jk[k];
+                if (jj >= 1 && jj + 8 <= nv) {
+                    L[k] = w == 0xFF /* every id new: values j .. j + 7 as they are */
+                               ? _mm_loadu_si128((const __m128i *)(v0 + jj))
+                               : _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(v0 + jj - 1)),
+                                                  _mm_loadu_si128((const __m128i *)RR_SH16[w]));
+                } else {
+                    uint16_t lane[8];
+                    const uint8_t *r = RANKS[w];
+                    for (int i = 0; i < 8; i++) lane[i] = v0[jj - 1 + r[i]];
+                    L[k] = _mm_loadu_si128((const __m128i *)lane);
+                }
+                jk[k] = jj + RANKS[w][7];
+            }
+            const __m128i a = _mm_unpacklo_epi16(L[0], L[1]), b2 = _mm_unpackhi_epi16(L[0], L[1]);
+            const __m128i c = _mm_unpacklo_epi16(L[2], L[3]), d = _mm_unpackhi_epi16(L[2], L[3]);
+            const __m128i e = _mm_unpacklo_epi16(L[4], L[5]), f = _mm_unpackhi_epi16(L[4], L[5]);
+            const __m128i g = _mm_unpacklo_epi16(L[6], L[7]), h = _mm_unpackhi_epi16(L[6], L[7]);
+            const __m128i ac0 = _mm_unpacklo_epi32(a, c), ac1 = _mm_unpackhi_epi32(a, c);
+            const __m128i bd0 = _mm_unpacklo_epi32(b2, d), bd1 = _mm_unpackhi_epi32(b2, d);
+            const __m128i eg0 = _mm_unpacklo_epi32(e, g), eg1 = _mm_unpackhi_epi32(e, g);
+            const __m128i fh0 = _mm_unpacklo_epi32(f, h), fh1 = _mm_unpackhi_epi32(f, h);
+            __m128i *out = (__m128i *)dst; /* token t + i's eight slots: row i */
+            _mm_storeu_si128(out + 0, _mm_unpacklo_epi64(ac0, eg0));
+            _mm_storeu_si128(out + 1, _mm_unpackhi_epi64(ac0, eg0));
+            _mm_storeu_si128(out + 2, _mm_unpacklo_epi64(ac1, eg1));
+            _mm_storeu_si128(out + 3, _mm_unpackhi_epi64(ac1, eg1));
+            _mm_storeu_si128(out + 4, _mm_unpacklo_epi64(bd0, fh0));
+            _mm_storeu_si128(out + 5, _mm_unpackhi_epi64(bd0, fh0));
+            _mm_storeu_si128(out + 6, _mm_unpacklo_epi64(bd1, fh1));
+            _mm_storeu_si128(out + 7, _mm_unpackhi_epi64(bd1, fh1));
+        }
+    }
+}
 #endif
 
 /* ``nv`` values at ``v0``: how far the block join may read. ``simd`` 0 keeps to the portable
@@ -161,8 +229,19 @@ static void join_u8(const uint8_t *restrict mb, const uint8_t *restrict v0, size
     JOIN_BODY(uint8_t)
 }
 
-static void join_u16(const uint8_t *restrict mb, const uint16_t *restrict v0,
-                     uint16_t *restrict o, ptrdiff_t M, ptrdiff_t T, ptrdiff_t K) {
+static void join_u16(const uint8_t *restrict mb, const uint16_t *restrict v0, size_t nv,
+                     uint16_t *restrict o, ptrdiff_t M, ptrdiff_t T, ptrdiff_t K, int simd) {
+    if (K == 8 && T > 0 && T % 8 == 0) {
+#ifdef RR_HAVE_SSSE3_JOIN
+        if (simd && __builtin_cpu_supports("ssse3")) {
+            join_u16_k8_ssse3(mb, v0, nv, o, M, T);
+            return;
+        }
+#endif
+        (void)nv, (void)simd;
+        join_k8_scalar_uint16_t(mb, v0, o, M, T);
+        return;
+    }
     const ptrdiff_t nbytes = (M * T * K + 7) / 8;
     JOIN_BODY(uint16_t)
 }

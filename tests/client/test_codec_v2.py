@@ -85,18 +85,20 @@ def test_the_kernel_refuses_inputs_that_do_not_add_up() -> None:
         join(bytes([0b1000_1000]), bytes([3, 5]), bytes(8), M, T, K, 1)
 
 
+@pytest.mark.parametrize("itemsize", [1, 2])
 @pytest.mark.parametrize("simd", [True, False])
 @pytest.mark.parametrize("T", [8, 16, 64, 120, 128, 136, 127])
-def test_the_block_keep_join_matches_numpy(simd: bool, T: int) -> None:
-    # Top-8 byte ids over whole mask bytes (T % 8 == 0) take the eight-streams-at-a-time join
-    # (a byte shuffle per stream where the CPU has SSSE3); other shapes the per-id loop. Kept
-    # fractions from "only each stream's first id" (fewer values than one 16-byte load) to
-    # "every id new", and values handed over as an exact-size bytes object, so a read past
-    # their end would show under AddressSanitizer.
+def test_the_block_keep_join_matches_numpy(simd: bool, T: int, itemsize: int) -> None:
+    # Top-8 ids over whole mask bytes (T % 8 == 0) take the eight-streams-at-a-time join (a
+    # shuffle per stream where the CPU has SSSE3; two for uint16 ids); other shapes the per-id
+    # loop. Kept fractions from "only each stream's first id" (fewer values than one 16-byte
+    # load) to "every id new", and values handed over as an exact-size bytes object, so a read
+    # past their end would show under AddressSanitizer.
     rng = np.random.default_rng(T)
+    dt, E = (np.uint8, 256) if itemsize == 1 else (np.uint16, 65536)
     for M in (1, 2, 5):
         for keep in (1.0, 0.97, 0.5, 0.0):
-            x = rng.integers(0, 256, (M, T, 8)).astype(np.uint8)
+            x = rng.integers(0, E, (M, T, 8)).astype(dt)
             for t in range(1, T):
                 same = rng.random((M, 8)) < keep
                 x[:, t][same] = x[:, t - 1][same]
@@ -104,8 +106,8 @@ def test_the_block_keep_join_matches_numpy(simd: bool, T: int) -> None:
             mask = np.packbits(changed.reshape(-1))
             ref = C._keep_join(mask, C._POP[mask], values, (M, T, 8))
             assert np.array_equal(ref, x)
-            out = np.full((M, T, 8), 0xAA, np.uint8)
-            C._KERNEL.keep_join(mask.tobytes(), values.tobytes(), out, M, T, 8, 1, simd)
+            out = np.full((M, T, 8), 0xAA, dt)
+            C._KERNEL.keep_join(mask.tobytes(), values.tobytes(), out, M, T, 8, itemsize, simd)
             assert np.array_equal(out, x), (M, keep)
 
 
