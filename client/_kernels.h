@@ -77,7 +77,7 @@ static const uint8_t RANKS[256][8] = {RR_P64(0), RR_P64(64), RR_P64(128), RR_P64
  * behind a running count; this is what a skewed workload's decode spent most of its time in.
  * The caller has checked that the set bits count the ``nv`` values and that every stream's
  * first bit is set, so every index below is within 0 .. nv - 1. */
-#define RR_K8_LAYER_SETUP                                                                  \
+#define RR_K8_LAYER_SETUP(T_)                                                              \
     const size_t tb = (size_t)T / 8;                                                       \
     const uint8_t *mrow = mb + (size_t)m * 8 * tb;                                         \
     size_t jk[8];                                                                          \
@@ -85,14 +85,14 @@ static const uint8_t RANKS[256][8] = {RR_P64(0), RR_P64(64), RR_P64(128), RR_P64
         jk[k] = j;                                                                         \
         j += count_bits(mrow + k * tb, tb);                                                \
     }                                                                                      \
-    __typeof__(o) dst = o + (size_t)m * (size_t)T * 8;
+    T_ *dst = o + (size_t)m * (size_t)T * 8;
 
 #define RR_K8_SCALAR(T_)                                                                   \
     static void join_k8_scalar_##T_(const uint8_t *restrict mb, const T_ *restrict v0,     \
                                     T_ *restrict o, ptrdiff_t M, ptrdiff_t T) {            \
         size_t j = 0;                                                                      \
         for (ptrdiff_t m = 0; m < M; m++) {                                                \
-            RR_K8_LAYER_SETUP                                                              \
+            RR_K8_LAYER_SETUP(T_)                                                          \
             for (size_t b = 0; b < tb; b++, dst += 64)                                     \
                 for (int k = 0; k < 8; k++) {                                              \
                     const uint8_t *r = RANKS[mrow[k * tb + b]];                            \
@@ -117,7 +117,7 @@ __attribute__((target("ssse3"))) static void join_u8_k8_ssse3(
     ptrdiff_t M, ptrdiff_t T) {
     size_t j = 0;
     for (ptrdiff_t m = 0; m < M; m++) {
-        RR_K8_LAYER_SETUP
+        RR_K8_LAYER_SETUP(uint8_t)
         for (size_t b = 0; b < tb; b++, dst += 64) {
             __m128i L[8];
             for (int k = 0; k < 8; k++) {
@@ -169,7 +169,7 @@ __attribute__((target("ssse3"))) static void join_u16_k8_ssse3(
     ptrdiff_t M, ptrdiff_t T) {
     size_t j = 0;
     for (ptrdiff_t m = 0; m < M; m++) {
-        RR_K8_LAYER_SETUP
+        RR_K8_LAYER_SETUP(uint16_t)
         for (size_t b = 0; b < tb; b++, dst += 64) {
             __m128i L[8];
             for (int k = 0; k < 8; k++) {
