@@ -104,7 +104,6 @@ static const uint8_t RANKS[256][8] = {RR_P64(0), RR_P64(64), RR_P64(128), RR_P64
     }
 RR_K8_SCALAR(uint8_t)
 RR_K8_SCALAR(uint16_t)
-#define join_u8_k8_scalar join_k8_scalar_uint8_t
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -210,41 +209,31 @@ __attribute__((target("ssse3"))) static void join_u16_k8_ssse3(
 }
 #endif
 
-/* ``nv`` values at ``v0``: how far the block join may read. ``simd`` 0 keeps to the portable
- * loops (what a CPU without SSSE3 runs; the tests compare both). */
-static void join_u8(const uint8_t *restrict mb, const uint8_t *restrict v0, size_t nv,
-                    uint8_t *restrict o, ptrdiff_t M, ptrdiff_t T, ptrdiff_t K, int simd) {
-    if (K == 8 && T > 0 && T % 8 == 0) {
+/* join_u8 / join_u16: ``nv`` values at ``v0``: how far the block join may read. ``simd`` 0
+ * keeps to the portable loops (what a CPU without SSSE3 runs; the tests compare both). */
 #ifdef RR_HAVE_SSSE3_JOIN
-        if (simd && __builtin_cpu_supports("ssse3")) {
-            join_u8_k8_ssse3(mb, v0, nv, o, M, T);
-            return;
-        }
-#endif
-        (void)nv, (void)simd;
-        join_u8_k8_scalar(mb, v0, o, M, T);
-        return;
+#define RR_K8_SIMD(fn)                                                                     \
+    if (simd && __builtin_cpu_supports("ssse3")) {                                         \
+        fn(mb, v0, nv, o, M, T);                                                           \
+        return;                                                                            \
     }
-    const ptrdiff_t nbytes = (M * T * K + 7) / 8;
-    JOIN_BODY(uint8_t)
-}
-
-static void join_u16(const uint8_t *restrict mb, const uint16_t *restrict v0, size_t nv,
-                     uint16_t *restrict o, ptrdiff_t M, ptrdiff_t T, ptrdiff_t K, int simd) {
-    if (K == 8 && T > 0 && T % 8 == 0) {
-#ifdef RR_HAVE_SSSE3_JOIN
-        if (simd && __builtin_cpu_supports("ssse3")) {
-            join_u16_k8_ssse3(mb, v0, nv, o, M, T);
-            return;
-        }
+#else
+#define RR_K8_SIMD(fn)
 #endif
-        (void)nv, (void)simd;
-        join_k8_scalar_uint16_t(mb, v0, o, M, T);
-        return;
+#define RR_JOIN(name, T_, simd_fn)                                                         \
+    static void name(const uint8_t *restrict mb, const T_ *restrict v0, size_t nv,         \
+                     T_ *restrict o, ptrdiff_t M, ptrdiff_t T, ptrdiff_t K, int simd) {    \
+        if (K == 8 && T > 0 && T % 8 == 0) {                                               \
+            RR_K8_SIMD(simd_fn)                                                            \
+            (void)nv, (void)simd;                                                          \
+            join_k8_scalar_##T_(mb, v0, o, M, T);                                          \
+            return;                                                                        \
+        }                                                                                  \
+        const ptrdiff_t nbytes = (M * T * K + 7) / 8;                                      \
+        JOIN_BODY(T_)                                                                      \
     }
-    const ptrdiff_t nbytes = (M * T * K + 7) / 8;
-    JOIN_BODY(uint16_t)
-}
+RR_JOIN(join_u8, uint8_t, join_u8_k8_ssse3)
+RR_JOIN(join_u16, uint16_t, join_u16_k8_ssse3)
 
 /* Format 5 (the codec's ``hp``, 257 to 512 experts): ``n`` low bytes, then one bit per id whose
  * low byte is below ``lim``, packed in np.packbits order (an id with a larger low byte is below
