@@ -76,7 +76,7 @@ static int load_zstd(void) {
  * one chunk
  * ---------------------------------------------------------------------------------------- */
 enum { XF_PLAIN = 0, XF_DELTA = 1, XF_GAPS = 2, XF_KEEP = 3, XF_TOKENS = 4 };
-enum { KIND_CHUNK = 2, MAX_VERSION = 5, HASH_BLAKE3_ROWS = 3, DIGEST = 16, HEADER = 16 };
+enum { KIND_CHUNK = 2, MAX_VERSION = 6, HASH_BLAKE3_ROWS = 3, DIGEST = 16, HEADER = 16 };
 /* Larger shapes are left to the Python path, so that no size below can overflow. */
 #define MAX_DIM ((uint64_t)1 << 31)
 #define MAX_ROWS ((uint64_t)1 << 40)
@@ -85,7 +85,7 @@ typedef struct {
     const uint8_t *blob, *digest;
     size_t len, dlen;
     /* payload fields */
-    uint64_t T, M, K, E, xf, raw, ha, hp; /* hp: packed high bits (format 5) */
+    uint64_t T, M, K, E, xf, raw, ha, hp; /* hp: packed high bits (1: format 5, 2: grouped, 6) */
     int canon;
     const uint8_t *body, *pc;
     size_t body_len, pc_len;
@@ -205,7 +205,7 @@ static int parse(chunk_t *c) {
     c->n = (size_t)(c->T * c->M * c->K);
     /* Packed high bits: only for 257 to 512 experts and transforms whose values are the ids
      * (_codec._high_bit_limit); their exact size is known once the low bytes are (decode). */
-    if (c->hp > 1 || (c->hp && (c->E <= 256 || c->E > 512 || c->xf == XF_DELTA ||
+    if (c->hp > 2 || (c->hp && (c->E <= 256 || c->E > 512 || c->xf == XF_DELTA ||
                                 c->xf == XF_GAPS)))
         return 0;
     const uint64_t head = 4 * c->T + (c->T + 7) / 8;
@@ -278,7 +278,11 @@ static int decode(chunk_t *c, const uint8_t *raw, uint16_t *scratch, int64_t *to
             join_u8(rows, rows + mb, ones, out, M, T, K, 1);
         } else {
             if (!c->hp) join_planes(rows + mb, ones, scratch);
-            else if (!join_high(rows + mb, ones, rows_len - mb, lim, scratch)) return 0;
+            else if (c->hp == 1 && !join_high(rows + mb, ones, rows_len - mb, lim, scratch))
+                return 0;
+            else if (c->hp == 2 &&
+                     !join_high_grouped(rows + mb, ones, rows_len - mb, lim, rows, T * K, M, scratch))
+                return 0;
             join_u16(rows, scratch, ones, (uint16_t *)out, M, T, K, 1);
         }
     } else if (c->xf == XF_TOKENS) {
@@ -286,12 +290,17 @@ static int decode(chunk_t *c, const uint8_t *raw, uint16_t *scratch, int64_t *to
             tokens_uint8_t(rows, out, M, T, K);
         } else {
             if (!c->hp) join_planes(rows, n, scratch);
-            else if (!join_high(rows, n, rows_len, lim, scratch)) return 0;
+            else if (c->hp == 1 && !join_high(rows, n, rows_len, lim, scratch)) return 0;
+            else if (c->hp == 2 && !join_high_grouped(rows, n, rows_len, lim, NULL, n, 1, scratch))
+                return 0; /* the tokens order interleaves the layers: one group */
             tokens_uint16_t(scratch, (uint16_t *)out, M, T, K);
         }
     } else if (c->isz == 2) {
-        if (!c->hp) join_planes(rows, n, (uint16_t *)out);
-        else if (!join_high(rows, n, rows_len, lim, (uint16_t *)out)) return 0;
+        uint16_t *o16 = (uint16_t *)out;
+        if (!c->hp) join_planes(rows, n, o16);
+        else if (c->hp == 1 && !join_high(rows, n, rows_len, lim, o16)) return 0;
+        else if (c->hp == 2 && !join_high_grouped(rows, n, rows_len, lim, NULL, T * K, M, o16))
+            return 0;
     } else if (out != rows) {
         memcpy(out, rows, n);
     }

@@ -111,6 +111,42 @@ static PyObject *join_high_py(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* join_high_grouped(data, out, limit, mask, seg_len, nseg) -> None
+ *
+ * Format 6 (_kernels.h join_high_grouped): join_high with the bits grouped by low byte within
+ * each of ``nseg`` segments of ``seg_len`` ids, or, with ``mask`` (the keep transform's change
+ * bits; None otherwise), of as many ids as that segment's part of the mask has bits set.
+ */
+static PyObject *join_high_grouped_py(PyObject *self, PyObject *args) {
+    Py_buffer data, out, mask;
+    Py_ssize_t limit, seg_len, nseg;
+    if (!PyArg_ParseTuple(args, "y*w*nz*nn", &data, &out, &limit, &mask, &seg_len, &nseg))
+        return NULL;
+    int ok = 0;
+    /* The segments must cover the ids (or lie within the mask): sizes checked before the
+     * kernel walks them, without overflow. */
+    const Py_ssize_t n = out.len / 2;
+    int sizes = seg_len >= 0 && nseg >= 0;
+    if (sizes && nseg && mask.buf) sizes = seg_len <= mask.len * 8 / nseg;
+    else if (sizes && nseg) sizes = seg_len <= n / nseg && seg_len * nseg == n;
+    else if (sizes) sizes = mask.buf || n == 0;
+    if (out.len % 2 == 0 && limit >= 0 && limit <= 256 && sizes) {
+        Py_BEGIN_ALLOW_THREADS
+        ok = join_high_grouped((const uint8_t *)data.buf, (size_t)out.len / 2, (size_t)data.len,
+                               (unsigned)limit, (const uint8_t *)mask.buf, (size_t)seg_len,
+                               (size_t)nseg, (uint16_t *)out.buf);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&mask);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "join_high: the high bits do not match the low bytes");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 /* hist_u8(data, counts) -> None
  *
  * counts: writable 256 int64, set to the number of each byte value in data. The encoder's
@@ -247,6 +283,8 @@ done:
 static PyMethodDef methods[] = {
     {"keep_join", keep_join, METH_VARARGS, "Inverse of the codec's keep transform (see _codec)."},
     {"join_high", join_high_py, METH_VARARGS, "Format 5's packed high bits -> uint16 ids."},
+    {"join_high_grouped", join_high_grouped_py, METH_VARARGS,
+     "Format 6's grouped high bits -> uint16 ids."},
     {"hist_u8", hist_u8, METH_VARARGS, "Byte histogram: counts[v] = number of bytes equal to v."},
     {"copy_runs", copy_runs, METH_VARARGS, "The gather's row copies without the GIL."},
     {NULL, NULL, 0, NULL},

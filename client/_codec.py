@@ -80,8 +80,11 @@ MAGIC = b"RRTE"
 # 5: for 256 < E <= 512, the high byte of each id is one bit, packed, and stored only for ids
 # whose low byte is below E - 256 (the others' must be 0): field ``hp``. Only blobs that use it
 # say 5.
+# 6: ``hp`` = 2, the same high bits stored grouped by low byte within each layer (plain and keep
+# rows; the tokens order is one group), which zstd then codes: a router's popular experts make
+# the high bit of a given low byte in a given layer nearly constant. Only blobs that use it say 6.
 # Older blobs stay readable; an older reader refuses a newer blob with an upgrade message.
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 MEDIA_TYPE = "application/vnd.routereplay.record"
 
 KIND_RECORD = 1
@@ -145,7 +148,9 @@ def _zd() -> zstandard.ZstdDecompressor:
 def frame(kind: int, payload: dict[str, Any]) -> bytes:
     body = msgpack.packb(payload, use_bin_type=True)
     # The lowest version that can read it: older readers keep reading what they can.
-    if payload.get("hp"):  # packed high bits (ids of 257 to 512 experts)
+    if payload.get("hp") == 2:  # grouped high bits (ids of 257 to 512 experts)
+        version = 6
+    elif payload.get("hp"):  # packed high bits
         version = 5
     elif payload.get("ha") == 3:  # store chunks, rows-first blake3 address
         version = 4
@@ -305,9 +310,13 @@ def _delta(lm: np.ndarray) -> np.ndarray:
     return out
 
 
-# Writers pack the high bits where they can (format 5); tests turn it off to write format-4
-# bodies, which every reader must keep reading.
+# Writers pack the high bits where they can (format 5) and group them (format 6); tests turn
+# these off to write format-4 and format-5 bodies, which every reader must keep reading.
 _PACK_HIGH_BITS = True
+_GROUP_HIGH_BITS = True
+# Grouped high bits are written where zstd codes them in at most this share of their packed
+# size (tests raise it to force them).
+_GROUPED_GAIN = 0.9
 
 
 def _high_bit_limit(num_experts: int, xf: int) -> int | None:
@@ -324,11 +333,37 @@ def _high_bit_limit(num_experts: int, xf: int) -> int | None:
     return None
 
 
-def _high_bits(low: np.ndarray, high: np.ndarray, limit: int) -> bytes:
-    """The packed high bits of the ids whose low byte is below ``limit``."""
+def _high_bits(
+    low: np.ndarray, high: np.ndarray, limit: int, groups: list[int] | None = None
+) -> tuple[bytes, int]:
+    """(the packed high bits of the ids whose low byte is below ``limit``, ``hp``). With
+    ``groups`` (the segment bounds), grouped where that pays (``hp`` 2, format 6: within each
+    segment ordered by low byte, then by position, :func:`_group_order`), else in id order
+    (``hp`` 1)."""
     if high.size and int(high.max()) > 1:  # ids are < E <= 512: unreachable, kept as a guard
         raise ValueError("an id of 512 or more cannot be coded with packed high bits")
-    return np.packbits(high[low < limit]).tobytes()
+    sel = low < limit
+    ordered = np.packbits(high[sel]).tobytes()
+    if groups is None or not _GROUP_HIGH_BITS:
+        return ordered, 1
+    grouped = np.packbits(high[_group_order(low, sel, groups)]).tobytes()
+    # Grouped bits take a second pass over the ids to decode (~10% of a record's decode): worth
+    # it where zstd codes them smaller, i.e. where the router is skewed. A uniform router's
+    # bits are random in any order; they stay in id order.
+    if len(_zc().compress(grouped)) <= _GROUPED_GAIN * len(ordered):
+        return grouped, 2
+    return ordered, 1
+
+
+def _group_order(low: np.ndarray, sel: np.ndarray, bounds: list[int]) -> np.ndarray:
+    """Positions of the selected ids, segment by segment (split at ``bounds``), each segment's
+    ordered by low byte and then by position: the order of format 6's high bits."""
+    out = []
+    for x, y in itertools.pairwise([0, *bounds, low.size]):
+        idx = np.flatnonzero(sel[x:y])
+        # A stable sort of bytes: numpy's radix sort, linear in the ids.
+        out.append(idx[np.argsort(low[x:y][idx], kind="stable")] + x)
+    return np.concatenate(out) if out else np.zeros(0, np.intp)
 
 
 def _split_high(data: memoryview, n: int, limit: int | None, what: str) -> tuple[int, int]:
@@ -346,18 +381,40 @@ def _split_high(data: memoryview, n: int, limit: int | None, what: str) -> tuple
     return size, n_hi
 
 
-def _join_high(data: memoryview, shape: tuple[int, ...], limit: int, n_hi: int) -> np.ndarray:
+def _join_high(
+    data: memoryview,
+    shape: tuple[int, ...],
+    limit: int,
+    n_hi: int,
+    groups: tuple[np.ndarray | None, int, int] | None = None,
+) -> np.ndarray:
     """Inverse of the packed high bits: the low bytes, plus 256 where a stored bit is set
-    (``data``: exactly those bytes, checked by :func:`_split_high`)."""
+    (``data``: exactly those bytes, checked by :func:`_split_high`). ``groups`` (format 6):
+    ``(mask, seg_len, nseg)``, the segments the bits are grouped in: ``nseg`` of ``seg_len``
+    ids, or with ``mask`` (the keep transform's change bits) of as many ids as each one's part
+    of the mask has bits set."""
     n = math.prod(shape)
     if _KERNEL is not None:
         out = np.empty(n, np.uint16)
-        _KERNEL.join_high(data, out, limit)
+        if groups is None:
+            _KERNEL.join_high(data, out, limit)
+        else:
+            _KERNEL.join_high_grouped(data, out, limit, *groups)
         return out.reshape(shape)
     low = np.frombuffer(data[:n], dtype=np.uint8)
     out = low.astype(np.uint16)
-    bits = np.unpackbits(np.frombuffer(data[n:], dtype=np.uint8), count=n_hi)
-    out[low < limit] |= bits.astype(np.uint16) << 8
+    bits = np.unpackbits(np.frombuffer(data[n:], dtype=np.uint8), count=n_hi).astype(np.uint16)
+    sel = low < limit
+    if groups is None:
+        out[sel] |= bits << 8
+    else:
+        mask, seg_len, nseg = groups
+        if mask is None:
+            sizes = np.full(nseg, seg_len, np.int64)
+        else:
+            changed = np.unpackbits(mask, count=seg_len * nseg).reshape(nseg, seg_len)
+            sizes = changed.sum(axis=1, dtype=np.int64)
+        out[_group_order(low, sel, np.cumsum(sizes)[:-1].tolist())] |= bits << 8
     return out.reshape(shape)
 
 
@@ -469,10 +526,10 @@ def _transform_cost(xf: int, lm: np.ndarray, per_layer: bool) -> float:
 
 def _plane_segments(
     a: np.ndarray, per_layer: bool, bounds: list[int], limit: int | None = None
-) -> list[bytes]:
-    """The bytes of ``a`` (flat, layer-major) as compression segments: low bytes split at the
-    layer ``bounds`` when ``per_layer``, then the near-constant high bytes of uint16 ids (the
-    packed high bits, with ``limit``: :func:`_high_bit_limit`)."""
+) -> tuple[list[bytes], int]:
+    """(the bytes of ``a`` (flat, layer-major) as compression segments, ``hp``): low bytes split
+    at the layer ``bounds`` when ``per_layer``, then the near-constant high bytes of uint16 ids
+    (the packed high bits, with ``limit``: :func:`_high_bit_limit`; ``hp`` 0 without)."""
     flat = a.reshape(-1)
     if flat.dtype == np.uint8:
         low, high = flat, None
@@ -483,9 +540,14 @@ def _plane_segments(
         segs = [low[x:y].tobytes() for x, y in itertools.pairwise([0, *bounds, low.size])]
     else:
         segs = [low.tobytes()]
+    hp = 0
     if high is not None:
-        segs.append(high.tobytes() if limit is None else _high_bits(low, high, limit))
-    return segs
+        if limit is None:
+            segs.append(high.tobytes())
+        else:
+            bits, hp = _high_bits(low, high, limit, bounds)
+            segs.append(bits)
+    return segs, hp
 
 
 def _row_segments(
@@ -494,14 +556,14 @@ def _row_segments(
     per_layer: bool,
     split: tuple[np.ndarray, np.ndarray] | None = None,
     limit: int | None = None,
-) -> list[bytes]:
-    """The compression segments of layer-major rows ``lm`` under row transform ``xf``
+) -> tuple[list[bytes], int]:
+    """(the compression segments of layer-major rows ``lm`` under row transform ``xf``, ``hp``)
     (``split``: ``_keep_split(lm)`` when the caller has it already; ``limit``: packed high
     bits, :func:`_high_bit_limit`)."""
     if xf == XF_KEEP:
         changed, values = _keep_split(lm) if split is None else split
-        segs = [np.packbits(changed.reshape(-1)).tobytes()]
-        return segs + _plane_segments(values, per_layer, _value_bounds(changed), limit)
+        segs, hp = _plane_segments(values, per_layer, _value_bounds(changed), limit)
+        return [np.packbits(changed.reshape(-1)).tobytes(), *segs], hp
     if xf == XF_TOKENS:  # one table: token order mixes the layers
         return _plane_segments(np.ascontiguousarray(lm.transpose(1, 0, 2)), False, [], limit)
     M, T, K = lm.shape
@@ -586,17 +648,19 @@ def encode_body(
         trial = _sample_tokens(experts_lm, _TRIAL)
         lim = _high_bit_limit(num_experts, xf) if wide else None
         if trial is not experts_lm and len(
-            _compress(_row_segments(XF_TOKENS, trial, False, limit=lim_t))
-        ) < 0.97 * len(_compress(_row_segments(xf, trial, False, limit=lim))):
+            _compress(_row_segments(XF_TOKENS, trial, False, limit=lim_t)[0])
+        ) < 0.97 * len(_compress(_row_segments(xf, trial, False, limit=lim)[0])):
             xf = XF_TOKENS
     lim = _high_bit_limit(num_experts, xf) if wide else None
-    segments = [head, *_row_segments(xf, experts_lm, per_layer, keep_split, lim)]
+    rows, hp = _row_segments(xf, experts_lm, per_layer, keep_split, lim)
+    segments = [head, *rows]
     body = _compress(segments)
     if trial is experts_lm:
-        alt = [head, *_row_segments(XF_TOKENS, experts_lm, False, limit=lim_t)]
+        alt_rows, alt_hp = _row_segments(XF_TOKENS, experts_lm, False, limit=lim_t)
+        alt = [head, *alt_rows]
         alt_body = _compress(alt)
         if len(alt_body) < 0.97 * len(body):
-            xf, segments, body, lim = XF_TOKENS, alt, alt_body, lim_t
+            xf, segments, body, hp = XF_TOKENS, alt, alt_body, alt_hp
     out = {
         "T": T,
         "M": M,
@@ -607,8 +671,9 @@ def encode_body(
         "raw": sum(len(x) for x in segments),
         "body": body,
     }
-    if lim is not None:
-        out["hp"] = 1  # format 5: absent, older readers' byte plane
+    if hp:
+        # 2: grouped (format 6); 1: in id order (format 5); absent: older readers' byte plane.
+        out["hp"] = hp
     return out
 
 
@@ -661,8 +726,8 @@ def decode_body(p: dict[str, Any], what: str) -> Block:
         raise RouteCorruptError(f"{what}: unknown row transform {xf}")
     n = M * T * K
     hp = p.get("hp", 0)
-    if type(hp) is not int or hp not in (0, 1):
-        raise RouteCorruptError(f"{what}: high-bits field {hp!r} is not 0 or 1")
+    if type(hp) is not int or hp not in (0, 1, 2):
+        raise RouteCorruptError(f"{what}: high-bits field {hp!r} is not 0, 1 or 2")
     limit = _high_bit_limit(E, xf) if hp else None
     if hp and limit is None:
         raise RouteCorruptError(
@@ -705,7 +770,8 @@ def decode_body(p: dict[str, Any], what: str) -> Block:
         if limit is None:
             values = _join_planes(vals, (n_values,), dtype)
         else:
-            values = _join_high(vals, (n_values,), limit, n_hi)
+            groups = (mask, K * T, M) if hp == 2 else None
+            values = _join_high(vals, (n_values,), limit, n_hi, groups)
         if not n:
             lm = np.empty((M, T, K), dtype)
         elif _KERNEL is not None:
@@ -719,7 +785,11 @@ def decode_body(p: dict[str, Any], what: str) -> Block:
     elif limit is None:
         lm = _join_planes(mv[4 * T + vb :], (M, T, K), dtype)
     else:
-        lm = _join_high(mv[4 * T + vb :], (M, T, K), limit, n_hi)
+        # Format 6 groups by layer; the tokens order interleaves the layers: one group.
+        groups = None
+        if hp == 2:
+            groups = (None, n, 1) if xf == XF_TOKENS else (None, T * K, M)
+        lm = _join_high(mv[4 * T + vb :], (M, T, K), limit, n_hi, groups)
     if xf == XF_TOKENS:  # stored [T, M, K]: a strided layer-major view, no copy
         lm = lm.reshape(T, M, K).transpose(1, 0, 2)
     elif xf == XF_DELTA:

@@ -116,6 +116,9 @@ def test_every_row_transform_and_id_width_decodes_as_the_python_path(E: int, xf:
             continue
         for sticky in (0.0, 0.9):
             items.append(_chunk(rng, T, M, K, E, xf, sticky=sticky))
+            if 256 < E <= 512:  # format 6's grouped high bits, as well as format 5's in id order
+                with mock.patch.object(C, "_GROUPED_GAIN", 100.0):  # random ids' don't shrink
+                    items.append(_chunk(rng, T, M, K, E, xf, sticky=sticky))
     blocks = _check(items, taken=True)
     assert all(isinstance(b, Block) for b in blocks)
 
@@ -361,14 +364,16 @@ def test_random_multi_byte_damage_decodes_as_the_python_path() -> None:
                 _same(g, want)
 
 
+@pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("xf", [C.XF_PLAIN, C.XF_KEEP, C.XF_TOKENS])
-def test_malformed_packed_high_bits_go_to_the_python_path(xf: int) -> None:
-    """Format 5 (ids of 257 to 512 experts): every way its high bits can disagree with their
-    low bytes is refused by the batch decoder and named by the Python path."""
+def test_malformed_packed_high_bits_go_to_the_python_path(xf: int, grouped: bool) -> None:
+    """Formats 5 and 6 (ids of 257 to 512 experts): every way their high bits can disagree with
+    their low bytes is refused by the batch decoder and named by the Python path."""
     rng = np.random.default_rng(4 + xf)
-    d, blob = _chunk(rng, 13, 2, 3, 384, xf, sticky=0.5)
+    with mock.patch.object(C, "_GROUPED_GAIN", 100.0 if grouped else 0.0):
+        d, blob = _chunk(rng, 13, 2, 3, 384, xf, sticky=0.5)
     p = C.unframe(blob, C.KIND_CHUNK, "x")
-    assert p["hp"] == 1 and blob[4] == 5
+    assert (p["hp"], blob[4]) == ((2, 6) if grouped else (1, 5))
     raw = zstandard.ZstdDecompressor().decompress(p["body"], max_output_size=p["raw"])
 
     def with_raw(r: bytes) -> bytes:
@@ -383,7 +388,8 @@ def test_malformed_packed_high_bits_go_to_the_python_path(xf: int) -> None:
         "last bit flipped": with_raw(bytes(flipped)),
         "hp on 256 experts": _reframe(blob, {**p, "E": 256}),
         "hp on 513 experts": _reframe(blob, {**p, "E": 513}),
-        "hp = 2": _reframe(blob, {**p, "hp": 2}),
+        "hp = 3": _reframe(blob, {**p, "hp": 3}),
+        "hp read the other way": _reframe(blob, {**p, "hp": 3 - p["hp"]}),
         "hp with delta": _reframe(blob, {**p, "xf": C.XF_DELTA}),
         "hp with gaps": _reframe(blob, {**p, "xf": C.XF_GAPS}),
         "no hp": _reframe(blob, {k: v for k, v in p.items() if k != "hp"}),
