@@ -85,7 +85,7 @@ typedef struct {
     const uint8_t *blob, *digest;
     size_t len, dlen;
     /* payload fields */
-    uint64_t T, M, K, E, xf, raw, ha, hp; /* hp: packed high bits (1: format 5, 2: grouped, 6) */
+    uint64_t T, M, K, E, xf, raw, ha, hp; /* hp: high bits (1: format 5; 2, 3: format 6) */
     int canon;
     const uint8_t *body, *pc;
     size_t body_len, pc_len;
@@ -205,11 +205,12 @@ static int parse(chunk_t *c) {
     c->n = (size_t)(c->T * c->M * c->K);
     /* Packed high bits: only for 257 to 512 experts and transforms whose values are the ids
      * (_codec._high_bit_limit); their exact size is known once the low bytes are (decode). */
-    if (c->hp > 2 || (c->hp && (c->E <= 256 || c->E > 512 || c->xf == XF_DELTA ||
-                                c->xf == XF_GAPS)))
+    if (c->hp > 3 || (c->hp && (c->E <= 256 || c->E > 512 || c->xf == XF_DELTA ||
+                                c->xf == XF_GAPS)) || (c->hp == 3 && c->E > 384))
         return 0;
     const uint64_t head = 4 * c->T + (c->T + 7) / 8;
-    const uint64_t hi_max = c->hp ? (c->n + 7) / 8 : 0; /* the high bits' most bytes */
+    /* the high bits' most bytes (hp 3: base-3 digits, five to a byte) */
+    const uint64_t hi_max = c->hp == 3 ? (c->n + 4) / 5 : c->hp ? (c->n + 7) / 8 : 0;
     if (c->xf == XF_KEEP) {
         const uint64_t most = c->hp ? c->n + hi_max : c->n * c->isz;
         if (c->raw < head + (c->n + 7) / 8 || c->raw > head + (c->n + 7) / 8 + most) return 0;
@@ -283,6 +284,7 @@ static int decode(chunk_t *c, const uint8_t *raw, uint16_t *scratch, int64_t *to
             else if (c->hp == 2 &&
                      !join_high_grouped(rows + mb, ones, rows_len - mb, lim, rows, T * K, M, scratch))
                 return 0;
+            else if (c->hp == 3 && !join_trits(rows + mb, ones, rows_len - mb, scratch)) return 0;
             join_u16(rows, scratch, ones, (uint16_t *)out, M, T, K, 1);
         }
     } else if (c->xf == XF_TOKENS) {
@@ -293,6 +295,7 @@ static int decode(chunk_t *c, const uint8_t *raw, uint16_t *scratch, int64_t *to
             else if (c->hp == 1 && !join_high(rows, n, rows_len, lim, scratch)) return 0;
             else if (c->hp == 2 && !join_high_grouped(rows, n, rows_len, lim, NULL, n, 1, scratch))
                 return 0; /* the tokens order interleaves the layers: one group */
+            else if (c->hp == 3 && !join_trits(rows, n, rows_len, scratch)) return 0;
             tokens_uint16_t(scratch, (uint16_t *)out, M, T, K);
         }
     } else if (c->isz == 2) {
@@ -301,6 +304,7 @@ static int decode(chunk_t *c, const uint8_t *raw, uint16_t *scratch, int64_t *to
         else if (c->hp == 1 && !join_high(rows, n, rows_len, lim, o16)) return 0;
         else if (c->hp == 2 && !join_high_grouped(rows, n, rows_len, lim, NULL, T * K, M, o16))
             return 0;
+        else if (c->hp == 3 && !join_trits(rows, n, rows_len, o16)) return 0;
     } else if (out != rows) {
         memcpy(out, rows, n);
     }

@@ -147,6 +147,30 @@ static PyObject *join_high_grouped_py(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* join_trits(data, out) -> None
+ *
+ * Format 6's ``hp`` = 3 (_kernels.h join_trits): low 7-bit bytes, then base-3 digits five to
+ * a byte -> uint16 ids. ValueError when the sizes, a low byte or a digit byte is out of range.
+ */
+static PyObject *join_trits_py(PyObject *self, PyObject *args) {
+    Py_buffer data, out;
+    if (!PyArg_ParseTuple(args, "y*w*", &data, &out)) return NULL;
+    int ok = 0;
+    if (out.len % 2 == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        ok = join_trits((const uint8_t *)data.buf, (size_t)out.len / 2, (size_t)data.len,
+                        (uint16_t *)out.buf);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&out);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "join_trits: the digits do not match the low bytes");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 /* hist_u8(data, counts) -> None
  *
  * counts: writable 256 int64, set to the number of each byte value in data. The encoder's
@@ -285,6 +309,7 @@ static PyMethodDef methods[] = {
     {"join_high", join_high_py, METH_VARARGS, "Format 5's packed high bits -> uint16 ids."},
     {"join_high_grouped", join_high_grouped_py, METH_VARARGS,
      "Format 6's grouped high bits -> uint16 ids."},
+    {"join_trits", join_trits_py, METH_VARARGS, "Format 6's base-3 high digits -> uint16 ids."},
     {"hist_u8", hist_u8, METH_VARARGS, "Byte histogram: counts[v] = number of bytes equal to v."},
     {"copy_runs", copy_runs, METH_VARARGS, "The gather's row copies without the GIL."},
     {NULL, NULL, 0, NULL},

@@ -82,7 +82,9 @@ MAGIC = b"RRTE"
 # say 5.
 # 6: ``hp`` = 2, the same high bits stored grouped by low byte within each layer (plain and keep
 # rows; the tokens order is one group), which zstd then codes: a router's popular experts make
-# the high bit of a given low byte in a given layer nearly constant. Only blobs that use it say 6.
+# the high bit of a given low byte in a given layer nearly constant. ``hp`` = 3 (257 to 384
+# experts): the low 7 bits as the byte plane and bits 7-8 as base-3 digits, five to a byte
+# (near-uniform ids: 8.6 bits where hp 1 takes 8.67). Only blobs that use them say 6.
 # Older blobs stay readable; an older reader refuses a newer blob with an upgrade message.
 FORMAT_VERSION = 6
 MEDIA_TYPE = "application/vnd.routereplay.record"
@@ -148,7 +150,7 @@ def _zd() -> zstandard.ZstdDecompressor:
 def frame(kind: int, payload: dict[str, Any]) -> bytes:
     body = msgpack.packb(payload, use_bin_type=True)
     # The lowest version that can read it: older readers keep reading what they can.
-    if payload.get("hp") == 2:  # grouped high bits (ids of 257 to 512 experts)
+    if payload.get("hp") in (2, 3):  # grouped high bits or base-3 digits (257+ experts)
         version = 6
     elif payload.get("hp"):  # packed high bits
         version = 5
@@ -271,16 +273,20 @@ def _ungaps(g: np.ndarray) -> np.ndarray:
     return out
 
 
-def _entropy_bits(sample: np.ndarray) -> float:
+def _hist(sample: np.ndarray) -> np.ndarray:
+    """Counts of each byte value (256 int64)."""
     # The compiled histogram (the same counts as bincount, so the same choice), unless this is
     # the numpy fallback or an extension built from an older source.
     hist_u8 = getattr(_KERNEL, "hist_u8", None)
     if hist_u8 is not None:
         hist = np.empty(256, np.int64)
         hist_u8(np.ascontiguousarray(sample), hist)
-        counts = hist.astype(np.float64)
-    else:
-        counts = np.bincount(sample, minlength=256).astype(np.float64)
+        return hist
+    return np.bincount(sample, minlength=256)
+
+
+def _entropy_bits(sample: np.ndarray) -> float:
+    counts = _hist(sample).astype(np.float64)
     p = counts[counts > 0] / sample.size
     return float(-(p * np.log2(p)).sum()) * sample.size
 
@@ -310,10 +316,11 @@ def _delta(lm: np.ndarray) -> np.ndarray:
     return out
 
 
-# Writers pack the high bits where they can (format 5) and group them (format 6); tests turn
-# these off to write format-4 and format-5 bodies, which every reader must keep reading.
+# Writers pack the high bits where they can (format 5), and group them or write base-3 digits
+# instead where that pays (format 6); tests turn these off to write format-4 and format-5
+# bodies, which every reader must keep reading.
 _PACK_HIGH_BITS = True
-_GROUP_HIGH_BITS = True
+_FORMAT6_HIGH_BITS = True
 # Grouped high bits are written where zstd codes them in at most this share of their packed
 # size (tests raise it to force them).
 _GROUPED_GAIN = 0.9
@@ -344,7 +351,7 @@ def _high_bits(
         raise ValueError("an id of 512 or more cannot be coded with packed high bits")
     sel = low < limit
     ordered = np.packbits(high[sel]).tobytes()
-    if groups is None or not _GROUP_HIGH_BITS:
+    if groups is None or not _FORMAT6_HIGH_BITS:
         return ordered, 1
     grouped = np.packbits(high[_group_order(low, sel, groups)]).tobytes()
     # Grouped bits take a second pass over the ids to decode (~10% of a record's decode): worth
@@ -366,11 +373,16 @@ def _group_order(low: np.ndarray, sel: np.ndarray, bounds: list[int]) -> np.ndar
     return np.concatenate(out) if out else np.zeros(0, np.intp)
 
 
-def _split_high(data: memoryview, n: int, limit: int | None, what: str) -> tuple[int, int]:
+def _split_high(
+    data: memoryview, n: int, limit: int | None, what: str, hp: int = 1
+) -> tuple[int, int]:
     """(bytes of the row planes, ids with a stored high bit) for ``n`` ids at the start of
-    ``data``, checking the packed bits fill their bytes exactly; limit None: byte planes."""
+    ``data``, checking the packed bits fill their bytes exactly; limit None: byte planes; hp 3:
+    base-3 digits, five to a byte (their checks: :func:`_join_trits`)."""
     if limit is None:
         return 2 * n, 0
+    if hp == 3:
+        return n + (n + 4) // 5, 0
     if len(data) < n:
         raise RouteCorruptError(f"{what}: body too short for its ids' low bytes")
     low = np.frombuffer(data[:n], dtype=np.uint8)
@@ -416,6 +428,78 @@ def _join_high(
             sizes = changed.sum(axis=1, dtype=np.int64)
         out[_group_order(low, sel, np.cumsum(sizes)[:-1].tolist())] |= bits << 8
     return out.reshape(shape)
+
+
+# Base-3 high digits (format 6, hp 3) for ids of 257 to 384 experts: the low 7 bits as the byte
+# plane, bits 7-8 (0 to 2) five to a byte. Uniform 384-expert ids: 7 + 1.6 = 8.6 bits each,
+# against 8.67 for a byte plane plus a bit (hp 1), which zstd stores raw (docs/storage.md).
+_TRITS_MAX_E = 384
+_TRIT_WEIGHTS = np.array([81, 27, 9, 3, 1], np.uint16)
+# _TRIT_DIGITS[b]: the five digits of byte b < 243, most significant first.
+_TRIT_DIGITS = (np.arange(243)[:, None] // _TRIT_WEIGHTS[None, :].astype(np.int64) % 3).astype(
+    np.uint16
+)
+# Writers use base-3 digits where their estimate is below this share of packed bits' (tests
+# move it to force one or the other).
+_TRITS_GAIN = 0.995
+
+
+def _pack_trits(q: np.ndarray) -> bytes:
+    """Digits 0..2, five to a byte (the last byte's unused digits 0)."""
+    pad = np.zeros(-q.size % 5, np.uint16)
+    d = np.concatenate([q.astype(np.uint16), pad]).reshape(-1, 5)
+    return (d @ _TRIT_WEIGHTS).astype(np.uint8).tobytes()
+
+
+def _trits_pay(low: np.ndarray, limit: int, bounds: list[int]) -> bool:
+    """Whether base-3 digits (hp 3) should code these ids smaller than a byte plane plus packed
+    high bits (hp 1): order-0 estimates of both from a histogram of the low bytes of each
+    segment that gets its own Huffman table (split at ``bounds``). zstd stores a segment raw
+    unless Huffman saves more than 1/64 of it, hence the 8 bits."""
+    if not _FORMAT6_HIGH_BITS or limit > _TRITS_MAX_E - 256 or not low.size:
+        return False
+
+    def bits(c: np.ndarray, raw: float) -> float:
+        total = c.sum()
+        p = c[c > 0] / total
+        h = float(-(p * np.log2(p)).sum())
+        return total * (raw if h > raw * (1 - 1 / 64) else h)
+
+    packed = trits = 0.0
+    for x, y in itertools.pairwise([0, *bounds, low.size]):
+        if y > x:
+            counts = _hist(low[x:y]).astype(np.float64)
+            packed += bits(counts, 8.0) + counts[:limit].sum()
+            trits += bits(counts[:128] + counts[128:], 8.0) + 1.6 * (y - x)
+    return trits < _TRITS_GAIN * packed
+
+
+def _join_trits(data: memoryview, shape: tuple[int, ...], what: str) -> np.ndarray:
+    """Inverse of the base-3 high digits: the low 7 bits plus 128 x each digit; the sizes, low
+    bytes and digit bytes checked (a RouteCorruptError names which is wrong)."""
+    n = math.prod(shape)
+    if _KERNEL is not None:
+        out = np.empty(n, np.uint16)
+        try:
+            _KERNEL.join_trits(data, out)
+            return out.reshape(shape)
+        except ValueError:
+            pass  # the checks below name what is wrong
+    nb = (n + 4) // 5
+    if len(data) != n + nb:
+        raise RouteCorruptError(f"{what}: base-3 digits: {len(data)} bytes, expected {n + nb}")
+    low = np.frombuffer(data[:n], dtype=np.uint8)
+    d = np.frombuffer(data[n:], dtype=np.uint8)
+    if low.size and int(low.max()) >= 128:
+        raise RouteCorruptError(f"{what}: a low byte of 128 or more under base-3 digits")
+    if d.size and int(d.max()) >= 243:
+        raise RouteCorruptError(f"{what}: a byte of base-3 digits is 243 or more")
+    digits = _TRIT_DIGITS[d].reshape(-1)
+    if digits[n:].any():
+        raise RouteCorruptError(f"{what}: base-3 digits set past the last id")
+    if _KERNEL is not None:  # unreachable: the kernel refused what these checks passed
+        raise RouteCorruptError(f"{what}: base-3 digits do not match the low bytes")
+    return (low.astype(np.uint16) | digits[:n] << 7).reshape(shape)
 
 
 def _join_planes(data: memoryview, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -536,12 +620,27 @@ def _plane_segments(
     else:
         b = flat.view(np.uint8).reshape(-1, 2)
         low, high = np.ascontiguousarray(b[:, 0]), np.ascontiguousarray(b[:, 1])
+    if (
+        high is not None
+        and limit is not None
+        and _trits_pay(low, limit, bounds if per_layer else [])
+    ):
+        # Base-3 high digits (hp 3): the byte plane holds the low 7 bits.
+        q = (high << 1) | (low >> 7)
+        low = low & 127
+        tail = _pack_trits(q)
+        high = None
+    else:
+        tail = None
     if per_layer:
         segs = [low[x:y].tobytes() for x, y in itertools.pairwise([0, *bounds, low.size])]
     else:
         segs = [low.tobytes()]
     hp = 0
-    if high is not None:
+    if tail is not None:
+        segs.append(tail)
+        hp = 3
+    elif high is not None:
         if limit is None:
             segs.append(high.tobytes())
         else:
@@ -726,14 +825,16 @@ def decode_body(p: dict[str, Any], what: str) -> Block:
         raise RouteCorruptError(f"{what}: unknown row transform {xf}")
     n = M * T * K
     hp = p.get("hp", 0)
-    if type(hp) is not int or hp not in (0, 1, 2):
-        raise RouteCorruptError(f"{what}: high-bits field {hp!r} is not 0, 1 or 2")
+    if type(hp) is not int or hp not in (0, 1, 2, 3):
+        raise RouteCorruptError(f"{what}: high-bits field {hp!r} is not 0, 1, 2 or 3")
     limit = _high_bit_limit(E, xf) if hp else None
     if hp and limit is None:
         raise RouteCorruptError(
             f"{what}: packed high bits need 257 to 512 experts and the ids as values (E={E}, "
             f"transform {xf})"
         )
+    if hp == 3 and E > _TRITS_MAX_E:
+        raise RouteCorruptError(f"{what}: base-3 high digits need 257 to 384 experts (E={E})")
     mask = None
     n_hi = 0
     if xf == XF_KEEP:
@@ -746,12 +847,12 @@ def decode_body(p: dict[str, Any], what: str) -> Block:
         if dtype.itemsize == 1:
             n_rows = mb + n_values
         else:
-            size, n_hi = _split_high(mv[4 * T + vb + mb :], n_values, limit, what)
+            size, n_hi = _split_high(mv[4 * T + vb + mb :], n_values, limit, what, hp)
             n_rows = mb + size
     elif dtype.itemsize == 1:
         n_rows = n
     else:
-        n_rows, n_hi = _split_high(mv[4 * T + vb :], n, limit, what)
+        n_rows, n_hi = _split_high(mv[4 * T + vb :], n, limit, what, hp)
     if raw_len != 4 * T + vb + n_rows:
         raise RouteCorruptError(
             f"{what}: body size {raw_len} does not match T={T}, M={M}, K={K}, E={E}"
@@ -769,6 +870,8 @@ def decode_body(p: dict[str, Any], what: str) -> Block:
         vals = mv[4 * T + vb + mask.size :]
         if limit is None:
             values = _join_planes(vals, (n_values,), dtype)
+        elif hp == 3:
+            values = _join_trits(vals, (n_values,), what)
         else:
             groups = (mask, K * T, M) if hp == 2 else None
             values = _join_high(vals, (n_values,), limit, n_hi, groups)
@@ -784,6 +887,8 @@ def decode_body(p: dict[str, Any], what: str) -> Block:
             lm = _keep_join(mask, pop, values, (M, T, K))
     elif limit is None:
         lm = _join_planes(mv[4 * T + vb :], (M, T, K), dtype)
+    elif hp == 3:
+        lm = _join_trits(mv[4 * T + vb :], (M, T, K), what)
     else:
         # Format 6 groups by layer; the tokens order interleaves the layers: one group.
         groups = None

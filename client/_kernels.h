@@ -362,4 +362,45 @@ static int join_high_grouped(const uint8_t *restrict src, size_t n, size_t avail
     return ok && pos == n;
 }
 
+/* The five base-3 digits of b (< 243), most significant first, shifted to bits 7 and 8
+ * (divisions by constants: multiplies). */
+static inline void trits5(unsigned b, uint16_t t[5]) {
+    const unsigned d0 = b / 81, r0 = b - 81 * d0, d1 = r0 / 27, r1 = r0 - 27 * d1;
+    const unsigned d2 = r1 / 9, r2 = r1 - 9 * d2, d3 = r2 / 3, d4 = r2 - 3 * d3;
+    t[0] = (uint16_t)(d0 << 7), t[1] = (uint16_t)(d1 << 7), t[2] = (uint16_t)(d2 << 7);
+    t[3] = (uint16_t)(d3 << 7), t[4] = (uint16_t)(d4 << 7);
+}
+
+/* Format 6 (``hp`` = 3, 257 to 384 experts): ``n`` bytes of each id's low 7 bits, then its
+ * bits 7 and 8 as a base-3 digit (0 to 2), five to a byte, most significant first
+ * (81 d0 + 27 d1 + 9 d2 + 3 d3 + d4), the last byte's unused digits 0 -> native uint16.
+ * Why: uniform 384-expert ids are 8.58 bits of information; a byte plane plus a bit (formats 5
+ * and 6's hp 1) stores 8.67, which no Huffman code of the low bytes improves, while 7 bits plus
+ * 1.6 is 8.6. ``avail`` must be exactly those bytes, every low byte below 128 and every digit
+ * byte below 243; returns 0 (nothing guaranteed written) if not. */
+static int join_trits(const uint8_t *restrict src, size_t n, size_t avail,
+                      uint16_t *restrict dst) {
+    const size_t nb = (n + 4) / 5;
+    if (avail != n + nb) return 0;
+    unsigned bad = 0;
+    for (size_t i = 0; i < n; i++) bad |= src[i];
+    if (bad & 0x80) return 0;
+    const uint8_t *d = src + n;
+    for (size_t j = 0; j < nb; j++)
+        if (d[j] >= 243) return 0;
+    size_t i = 0, j = 0;
+    uint16_t t[5];
+    for (; i + 5 <= n; i += 5, j++) {
+        trits5(d[j], t);
+        for (int k = 0; k < 5; k++) dst[i + k] = (uint16_t)(src[i + k] | t[k]);
+    }
+    if (i < n) {
+        trits5(d[j], t);
+        for (size_t k = n - i; k < 5; k++)
+            if (t[k]) return 0; /* a digit past the last id */
+        for (size_t k = 0; i + k < n; k++) dst[i + k] = (uint16_t)(src[i + k] | t[k]);
+    }
+    return 1;
+}
+
 #endif

@@ -5,6 +5,7 @@ which names the problem. The store's reads go through it (tests/client/test_stor
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import zlib
@@ -57,6 +58,20 @@ def _chunk(
     chain = L._next_chain(pc, tok)
     digest = L._chunk_digest(chain, valid, lm, ha if ha in (1, 2, 3) else 3)
     return digest, C.frame(C.KIND_CHUNK, p)
+
+
+def _high_layout(name: str) -> contextlib.ExitStack:
+    """Force a layout of the high bits of ids of 257 to 512 experts (writers choose by size):
+    "grouped" (hp 2), "ordered" (hp 1) or "trits" (hp 3, base-3 digits)."""
+    patches = {
+        "grouped": {"_GROUPED_GAIN": 100.0, "_TRITS_GAIN": 0.0},
+        "ordered": {"_GROUPED_GAIN": 0.0, "_TRITS_GAIN": 0.0},
+        "trits": {"_TRITS_GAIN": 100.0},
+    }[name]
+    stack = contextlib.ExitStack()
+    for attr, value in patches.items():
+        stack.enter_context(mock.patch.object(C, attr, value))
+    return stack
 
 
 def _same(a: object, b: object) -> None:
@@ -116,9 +131,10 @@ def test_every_row_transform_and_id_width_decodes_as_the_python_path(E: int, xf:
             continue
         for sticky in (0.0, 0.9):
             items.append(_chunk(rng, T, M, K, E, xf, sticky=sticky))
-            if 256 < E <= 512:  # format 6's grouped high bits, as well as format 5's in id order
-                with mock.patch.object(C, "_GROUPED_GAIN", 100.0):  # random ids' don't shrink
-                    items.append(_chunk(rng, T, M, K, E, xf, sticky=sticky))
+            if 256 < E <= 512:  # each layout of the high bits, forced (writers choose by size)
+                for layout in ("grouped", "ordered", "trits")[: 3 if E <= 384 else 2]:
+                    with _high_layout(layout):
+                        items.append(_chunk(rng, T, M, K, E, xf, sticky=sticky))
     blocks = _check(items, taken=True)
     assert all(isinstance(b, Block) for b in blocks)
 
@@ -364,16 +380,16 @@ def test_random_multi_byte_damage_decodes_as_the_python_path() -> None:
                 _same(g, want)
 
 
-@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize(("layout", "hp"), [("grouped", 2), ("ordered", 1), ("trits", 3)])
 @pytest.mark.parametrize("xf", [C.XF_PLAIN, C.XF_KEEP, C.XF_TOKENS])
-def test_malformed_packed_high_bits_go_to_the_python_path(xf: int, grouped: bool) -> None:
-    """Formats 5 and 6 (ids of 257 to 512 experts): every way their high bits can disagree with
-    their low bytes is refused by the batch decoder and named by the Python path."""
+def test_malformed_packed_high_bits_go_to_the_python_path(xf: int, layout: str, hp: int) -> None:
+    """Formats 5 and 6 (ids of 257 to 512 experts): every way their high bits or digits can
+    disagree with their low bytes is refused by the batch decoder and named by the Python path."""
     rng = np.random.default_rng(4 + xf)
-    with mock.patch.object(C, "_GROUPED_GAIN", 100.0 if grouped else 0.0):
+    with _high_layout(layout):
         d, blob = _chunk(rng, 13, 2, 3, 384, xf, sticky=0.5)
     p = C.unframe(blob, C.KIND_CHUNK, "x")
-    assert (p["hp"], blob[4]) == ((2, 6) if grouped else (1, 5))
+    assert (p["hp"], blob[4]) == (hp, 5 if hp == 1 else 6)
     raw = zstandard.ZstdDecompressor().decompress(p["body"], max_output_size=p["raw"])
 
     def with_raw(r: bytes) -> bytes:
@@ -388,12 +404,22 @@ def test_malformed_packed_high_bits_go_to_the_python_path(xf: int, grouped: bool
         "last bit flipped": with_raw(bytes(flipped)),
         "hp on 256 experts": _reframe(blob, {**p, "E": 256}),
         "hp on 513 experts": _reframe(blob, {**p, "E": 513}),
-        "hp = 3": _reframe(blob, {**p, "hp": 3}),
-        "hp read the other way": _reframe(blob, {**p, "hp": 3 - p["hp"]}),
+        "hp = 4": _reframe(blob, {**p, "hp": 4}),
+        "hp read another way": _reframe(blob, {**p, "hp": {1: 2, 2: 1, 3: 1}[p["hp"]]}),
+        "hp 3 on 385 experts": _reframe(blob, {**p, "E": 385, "hp": 3}),
         "hp with delta": _reframe(blob, {**p, "xf": C.XF_DELTA}),
         "hp with gaps": _reframe(blob, {**p, "xf": C.XF_GAPS}),
         "no hp": _reframe(blob, {k: v for k, v in p.items() if k != "hp"}),
     }
+    if hp == 3:  # a low byte of 128 or more; a digit byte of 243 or more
+        top = bytearray(raw)
+        # Before the digits of plain and tokens rows (78 ids: 16 bytes), a low byte; keep rows
+        # hold fewer ids, and there it may be a digit byte instead: refused either way.
+        top[-((13 * 2 * 3 + 4) // 5) - 2] |= 0x80
+        big = bytearray(raw)
+        big[-1] = 250
+        variants["a low byte's top bit"] = with_raw(bytes(top))
+        variants["a digit byte of 250"] = with_raw(bytes(big))
     for name, bad in variants.items():
         got = _check([(d, bad), (d, blob)])
         _, _, results = _BATCH.decode_chunks([d, d], [bad, blob])
