@@ -300,6 +300,7 @@ static int join_high_grouped(const uint8_t *restrict src, size_t n, size_t avail
     const size_t hb = (hi + 7) / 8;
     if (avail != n + hb) return 0;
     if (hi % 8 && src[n + hi / 8] & ((1u << (8 - hi % 8)) - 1)) return 0;
+    if (hb >= ((size_t)1 << 28)) return 0; /* bit offsets are uint32 (a body holds < 2^31 ids) */
     uint8_t *bits = (uint8_t *)malloc(hb + 1);
     if (!bits) return 0;
     memcpy(bits, src + n, hb);
@@ -316,35 +317,45 @@ static int join_high_grouped(const uint8_t *restrict src, size_t n, size_t avail
         }
         const uint8_t *in = src + pos;
         uint16_t *out = dst + pos;
-        /* Four interleaved quarters, each with its own offsets: an id whose low byte repeats
-         * soon after (a popular expert) waits on the last one's offset through memory; four
-         * such chains run side by side. The remainder goes with the last quarter, after it. */
-        const size_t q = len / 4;
-        size_t off[4][256];
-        memset(off, 0, sizeof off);
+        /* Long segments: four interleaved quarters, each with its own offsets. An id whose
+         * low byte repeats soon after (a popular expert) waits on the last one's offset
+         * through memory; four such chains run side by side. The remainder goes with the
+         * last quarter, after it. Short ones (a 128-token store chunk's layer: ~500 ids): one
+         * chain, whose setup is a quarter of the four's. */
+        const size_t q = len >= 4096 ? len / 4 : 0;
+        uint32_t off[4][256];
+        memset(off, 0, q ? sizeof off : sizeof off[0]);
         for (size_t i = 0; i < q; i++) {
             off[0][in[i]]++;
             off[1][in[q + i]]++;
             off[2][in[2 * q + i]]++;
             off[3][in[3 * q + i]]++;
         }
-        for (size_t i = 4 * q; i < len; i++) off[3][in[i]]++;
-        for (unsigned v = 0; v < 256; v++) {
-            const size_t c0 = off[0][v], c1 = off[1][v], c2 = off[2][v], c3 = off[3][v];
-            if (v < lim) {
-                off[0][v] = base;
-                off[1][v] = base + c0;
-                off[2][v] = base + c0 + c1;
-                off[3][v] = base + c0 + c1 + c2;
-                base += c0 + c1 + c2 + c3;
-            } else { /* no stored bit: the zero byte's first bit */
-                off[0][v] = off[1][v] = off[2][v] = off[3][v] = 8 * hb;
+        uint32_t *last = off[q ? 3 : 0];
+        for (size_t i = 4 * q; i < len; i++) last[in[i]]++;
+        const uint32_t zero = (uint32_t)(8 * hb); /* no stored bit: the zero byte's first bit */
+        if (q) {
+            for (unsigned v = 0; v < 256; v++) {
+                const uint32_t c0 = off[0][v], c1 = off[1][v], c2 = off[2][v], c3 = off[3][v];
+                const int e = v < lim;
+                off[0][v] = e ? (uint32_t)base : zero;
+                off[1][v] = e ? (uint32_t)base + c0 : zero;
+                off[2][v] = e ? (uint32_t)base + c0 + c1 : zero;
+                off[3][v] = e ? (uint32_t)base + c0 + c1 + c2 : zero;
+                base += e ? c0 + c1 + c2 + c3 : 0;
             }
+        } else {
+            for (unsigned v = 0; v < lim; v++) {
+                const uint32_t c = off[0][v];
+                off[0][v] = (uint32_t)base;
+                base += c;
+            }
+            for (unsigned v = lim; v < 256; v++) off[0][v] = zero;
         }
 #define RR_GROUPED_ONE(t, i)                                                               \
     do {                                                                                   \
         const unsigned v = in[i];                                                          \
-        const size_t j = off[t][v];                                                        \
+        const uint32_t j = off[t][v];                                                      \
         out[i] = (uint16_t)(v | ((bits[j >> 3] >> (7 - (j & 7))) & 1u) << 8);              \
         off[t][v] = j + step[v];                                                           \
     } while (0)
@@ -354,7 +365,8 @@ static int join_high_grouped(const uint8_t *restrict src, size_t n, size_t avail
             RR_GROUPED_ONE(2, 2 * q + i);
             RR_GROUPED_ONE(3, 3 * q + i);
         }
-        for (size_t i = 4 * q; i < len; i++) RR_GROUPED_ONE(3, i);
+        const int t_last = q ? 3 : 0;
+        for (size_t i = 4 * q; i < len; i++) RR_GROUPED_ONE(t_last, i);
 #undef RR_GROUPED_ONE
         pos += len;
     }
