@@ -458,18 +458,18 @@ def _trits_pay(low: np.ndarray, limit: int, bounds: list[int]) -> bool:
     if not _FORMAT6_HIGH_BITS or limit > _TRITS_MAX_E - 256 or not low.size:
         return False
 
-    def bits(c: np.ndarray, raw: float) -> float:
+    def bits(c: np.ndarray) -> float:  # a byte plane's bits through zstd
         total = c.sum()
         p = c[c > 0] / total
         h = float(-(p * np.log2(p)).sum())
-        return total * (raw if h > raw * (1 - 1 / 64) else h)
+        return total * (8.0 if h > 8.0 * (1 - 1 / 64) else h)
 
     packed = trits = 0.0
     for x, y in itertools.pairwise([0, *bounds, low.size]):
         if y > x:
             counts = _hist(low[x:y]).astype(np.float64)
-            packed += bits(counts, 8.0) + counts[:limit].sum()
-            trits += bits(counts[:128] + counts[128:], 8.0) + 1.6 * (y - x)
+            packed += bits(counts) + counts[:limit].sum()
+            trits += bits(counts[:128] + counts[128:]) + 1.6 * (y - x)
     return trits < _TRITS_GAIN * packed
 
 

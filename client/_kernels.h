@@ -241,14 +241,24 @@ RR_JOIN(join_u16, uint16_t, join_u16_k8_ssse3)
  * 256) -> native uint16. ``avail``: the bytes from ``src`` on, which must be exactly those, the
  * padding bits clear; returns 0 (nothing guaranteed written) if not. No branch per id: a
  * uniform 384-expert id has its bit stored with p = 2/3, a branch would mispredict often. */
+/* The checks formats 5 and 6 share: ``avail`` bytes from ``src`` are exactly ``n`` low bytes and
+ * one packed bit per id whose low byte is below ``lim``, the padding bits clear. Sets ``*hi`` to
+ * that count; returns 0 if not. */
+static inline int high_bits_fit(const uint8_t *src, size_t n, size_t avail, unsigned lim,
+                                size_t *hi) {
+    if (avail < n) return 0;
+    size_t h = 0;
+    for (size_t i = 0; i < n; i++) h += src[i] < lim;
+    *hi = h;
+    if (avail != n + (h + 7) / 8) return 0;
+    return !(h % 8 && src[n + h / 8] & ((1u << (8 - h % 8)) - 1));
+}
+
 static inline int join_high(const uint8_t *src, size_t n, size_t avail, unsigned lim,
                             uint16_t *dst) {
-    if (avail < n) return 0;
-    size_t hi = 0;
-    for (size_t i = 0; i < n; i++) hi += src[i] < lim;
-    if (avail != n + (hi + 7) / 8) return 0;
+    size_t hi;
+    if (!high_bits_fit(src, n, avail, lim, &hi)) return 0;
     const uint8_t *bits = src + n;
-    if (hi % 8 && bits[hi / 8] & ((1u << (8 - hi % 8)) - 1)) return 0;
     if (!hi) {
         for (size_t i = 0; i < n; i++) dst[i] = src[i];
         return 1;
@@ -294,12 +304,9 @@ static inline size_t count_bits_range(const uint8_t *m, size_t a, size_t b) {
 static int join_high_grouped(const uint8_t *restrict src, size_t n, size_t avail, unsigned lim,
                              const uint8_t *mask, size_t seg_len, size_t nseg,
                              uint16_t *restrict dst) {
-    if (avail < n || lim > 256) return 0;
-    size_t hi = 0;
-    for (size_t i = 0; i < n; i++) hi += src[i] < lim;
+    size_t hi;
+    if (lim > 256 || !high_bits_fit(src, n, avail, lim, &hi)) return 0;
     const size_t hb = (hi + 7) / 8;
-    if (avail != n + hb) return 0;
-    if (hi % 8 && src[n + hi / 8] & ((1u << (8 - hi % 8)) - 1)) return 0;
     if (hb >= ((size_t)1 << 28)) return 0; /* bit offsets are uint32 (a body holds < 2^31 ids) */
     uint8_t *bits = (uint8_t *)malloc(hb + 1);
     if (!bits) return 0;
