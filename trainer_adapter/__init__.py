@@ -24,7 +24,7 @@ from ._position_map import (
     thd_position_map,
 )
 from ._prefetch import Prefetcher
-from ._targets import ReplayTargets, filler_experts, gather_targets
+from ._targets import ReplayTargets, TargetBuffers, filler_experts, gather_targets
 from .errors import (
     ReplayConfigError,
     ReplayPolicyError,
@@ -62,6 +62,7 @@ __all__ = [
     "RouterSlot",
     "SampleMap",
     "ShadowReport",
+    "TargetBuffers",
     "TargetShapeError",
     "TokenMismatchError",
     "attach_legacy_replay",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +37,7 @@ _copy_runs = copy_row_runs if codec_kernel() == "compiled" else None
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ReplayTargets", "filler_experts", "gather_targets"]
+__all__ = ["ReplayTargets", "TargetBuffers", "filler_experts", "gather_targets"]
 
 
 def filler_experts(
@@ -189,6 +190,77 @@ def _col_runs(cols: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+class TargetBuffers:
+    """Output memory for :func:`gather_targets`, recycled from step to step (opt-in).
+
+    A step's targets are one large array (103 MB for 256k tokens of a 48-layer top-8 model).
+    Allocated afresh each step, its pages are new to the process: the kernel faults them in
+    and zeroes them, about a fifth of the gather's CPU time on a 2-core host
+    (docs/trainer.md). ``gather_targets(..., buffers=tb)`` writes into a buffer of ``tb``
+    instead, once it is free.
+
+    A buffer counts as free only when nothing but the pool refers to it: no
+    :class:`ReplayTargets`, numpy view or tensor made with ``torch.from_numpy`` from an earlier
+    step's targets. Targets still in use are therefore never overwritten, whatever the caller
+    keeps; while all ``keep`` buffers are in use the gather gets fresh memory, as without a
+    pool. (Raw addresses, such as ``experts.ctypes.data``, are not references, as for any
+    numpy array.) Use one pool per stream of steps, from any threads (it locks). Page-locked
+    targets (``pin_memory=True``) come from torch's caching host allocator, which recycles
+    them already; the two do not combine.
+
+    Args:
+        keep: buffers the pool holds at most: the step being trained, the one the
+            :class:`Prefetcher` prepares, and a spare for the batch-major scratch of ``B > 1``
+            maps.
+    """
+
+    def __init__(self, keep: int = 3) -> None:
+        if keep < 1:
+            raise ReplayConfigError(f"TargetBuffers(keep={keep}): keep must be >= 1")
+        self.keep = keep
+        self._bufs: list[np.ndarray] = []
+        self._lock = threading.Lock()
+        self.reused = 0  # buffers handed out again
+        self.allocated = 0  # buffers allocated (kept or not)
+        # References a free buffer has when _free looks at it; measured, not assumed (the
+        # interpreter's own count of a local and a call argument differs between versions).
+        self._idle_refs = self._refs_of(np.empty(1, np.uint8))
+
+    @staticmethod
+    def _refs_of(buf: np.ndarray) -> int:
+        return sys.getrefcount(buf)
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A flat uint8 array of ``nbytes`` no one else refers to, recycled where one is free.
+
+        Memory of a recycled buffer holds an earlier step's bytes: the gather overwrites every
+        byte it returns."""
+        with self._lock:
+            for i in range(len(self._bufs)):
+                if self._refs_of(self._bufs[i]) != self._idle_refs + 1:  # + the list's
+                    continue
+                if self._bufs[i].size >= nbytes:
+                    self.reused += 1
+                    return self._bufs[i][:nbytes]
+                # Free but too small (the batches vary): grow it, with room for the next steps.
+                del self._bufs[i]
+                return self._new(nbytes + nbytes // 8)[:nbytes]
+            return self._new(nbytes)[:nbytes]
+
+    def _new(self, nbytes: int) -> np.ndarray:
+        self.allocated += 1
+        buf = np.empty(nbytes, np.uint8)
+        if len(self._bufs) < self.keep:
+            self._bufs.append(buf)
+        return buf
+
+    def __repr__(self) -> str:
+        return (
+            f"TargetBuffers(keep={self.keep}, held={len(self._bufs)}, "
+            f"reused={self.reused}, allocated={self.allocated})"
+        )
+
+
 def gather_targets(
     pmap: PositionMap,
     records: Sequence[RouteRecord],
@@ -198,6 +270,7 @@ def gather_targets(
     top_k: int | None = None,
     input_ids: np.ndarray | None = None,
     pin_memory: bool = False,
+    buffers: TargetBuffers | None = None,
 ) -> ReplayTargets:
     """Copy each mapped position's expert rows out of ``records`` for the MoE ``layers``.
 
@@ -217,6 +290,9 @@ def gather_targets(
             16-20 ms per 256k-token step (bench trainer --step-device cuda). The allocator also
             reuses its blocks from step to step, so the output's pages are not faulted in
             afresh.
+        buffers: write the targets into memory recycled from earlier steps
+            (:class:`TargetBuffers`), which is never memory that earlier targets still in use
+            refer to. Without it (and without ``pin_memory``) the targets are fresh memory.
 
     Returns:
         :class:`ReplayTargets` with ``[M, B*S, K]`` rows in sequence-major order (``s * B + b``),
@@ -227,6 +303,11 @@ def gather_targets(
     its chunks, :meth:`RouteRecord.layer_major_parts`), so the cost is one pass over the output
     bytes.
     """
+    if pin_memory and buffers is not None:
+        raise ReplayConfigError(
+            "gather_targets: pass pin_memory=True or buffers, not both (page-locked targets "
+            "are recycled by torch's caching host allocator already)"
+        )
     layers = tuple(int(x) for x in layers)
     used = np.unique(pmap.record[pmap.record >= 0])
     if num_experts is None or top_k is None:
@@ -269,9 +350,9 @@ def gather_targets(
     # Batch-major output first: runs of consecutive rows are long there; reordered at the end
     # (into the page-locked output, when B > 1: this one is then only scratch).
     pinned = _empty(M * N * top_k, dt, pin_memory and B == 1)
-    out = (pinned.numpy() if pinned is not None else np.empty(M * N * top_k, dt)).reshape(
-        M, N, top_k
-    )
+    out = (
+        pinned.numpy() if pinned is not None else _host_empty(M * N * top_k, dt, buffers)
+    ).reshape(M, N, top_k)
     rec = pmap.record.reshape(-1)
     tok = pmap.token.reshape(-1)
     routed = np.zeros(N, bool)  # positions given a valid row of a record, set as they are copied
@@ -342,7 +423,13 @@ def gather_targets(
         by_seq = out.reshape(M, B, S, top_k).transpose(0, 2, 1, 3)
         pinned = _empty(M * N * top_k, dt, pin_memory)
         if pinned is None:
-            out = np.ascontiguousarray(by_seq).reshape(M, N, top_k)
+            if buffers is None:
+                out = np.ascontiguousarray(by_seq).reshape(M, N, top_k)
+            else:
+                # A second buffer; the scratch's goes back to the pool when ``by_seq`` goes.
+                out = _host_empty(M * N * top_k, dt, buffers).reshape(M, S, B, top_k)
+                np.copyto(out, by_seq)
+                out = out.reshape(M, N, top_k)
         else:
             out = pinned.numpy().reshape(M, S, B, top_k)
             np.copyto(out, by_seq)
@@ -351,6 +438,13 @@ def gather_targets(
     if pinned is not None:
         pinned = pinned.view(M, N, top_k)
     return ReplayTargets(layers, out, num_experts, int(fill_idx.size), valid, pinned)
+
+
+def _host_empty(n: int, dt: np.dtype, buffers: TargetBuffers | None) -> np.ndarray:
+    """``n`` ids of pageable memory: recycled from ``buffers`` where given, else fresh."""
+    if buffers is None:
+        return np.empty(n, dt)
+    return buffers.take(n * np.dtype(dt).itemsize).view(dt)
 
 
 def _empty(n: int, dt: np.dtype, pin_memory: bool) -> torch.Tensor | None:

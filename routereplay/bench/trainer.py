@@ -151,6 +151,7 @@ def run(url: str, args) -> dict:
     from routereplay.client import RouteRecord, RouteStore, batch_decoder, codec_kernel
     from routereplay.trainer_adapter import (
         ReplayTargets,
+        TargetBuffers,
         gather_targets,
         sample_from_record,
         thd_position_map,
@@ -182,9 +183,17 @@ def run(url: str, args) -> dict:
         pm.check_tokens(recs, input_ids)
         return pm
 
-    def targets(pm, recs, cp=1, tp=1, cp_rank=0, tp_rank=0, pin_memory=False) -> ReplayTargets:
+    # The targets' memory is recycled from step to step (TargetBuffers), as the floor reuses
+    # its buffer and the pinned path reuses torch's page-locked blocks: fresh pages cost a
+    # fault and zeroing each (the "fresh target memory" line measures that path too).
+    buffers = TargetBuffers(keep=4)  # the targets kept below for the checks hold one each
+
+    def targets(
+        pm, recs, cp=1, tp=1, cp_rank=0, tp_rank=0, pin_memory=False, fresh=False
+    ) -> ReplayTargets:
         local = pm.local(cp_size=cp, cp_rank=cp_rank, tp_size=tp, tp_rank=tp_rank)
-        return gather_targets(local, recs, layers, pin_memory=pin_memory)
+        pool = None if pin_memory or fresh else buffers
+        return gather_targets(local, recs, layers, pin_memory=pin_memory, buffers=pool)
 
     def gather(pm, recs, **kw):
         return torch.from_numpy(targets(pm, recs, **kw).experts)
@@ -215,6 +224,7 @@ def run(url: str, args) -> dict:
         return raw, blob
 
     e2e_s, _, floor_s, (raw, blob) = _timeit_pair(prepare, floor, args.repeat)
+    e2e_fresh_s, _ = _timeit(lambda: gather(align(r := fetch()), r, fresh=True), args.repeat)
     # The same preparation with the chunks decoded on the calling thread only.
     serial_store = RouteStore.from_url(
         url, prefix="rrbench", decode_threads=1, block_size=args.block_size
@@ -257,6 +267,7 @@ def run(url: str, args) -> dict:
     peer_s, t_peer = _timeit(peer, args.repeat)
     assert torch.equal(t_peer, t), "the peer path gathered other targets"
     assert torch.equal(t1, t), "one decode thread gathered other targets"
+    del t_peer, t1  # their buffers go back to the pool for the steps below
 
     # -- a training step: time added with and without prefetch ----------------------------------
     # The training step: on a GPU the step's targets are gathered into page-locked memory where
@@ -320,6 +331,7 @@ def run(url: str, args) -> dict:
         "end_to_end_s": e2e_s,
         "end_to_end_tokens_per_s": n_tokens / e2e_s,
         "end_to_end_one_thread_s": e2e1_s,
+        "end_to_end_fresh_targets_s": e2e_fresh_s,
         "tp2_sp_rank_gather_s": sp_s,
         "install_on_gpu_s": install_s,
         "install_on_gpu_pageable_s": install_pageable_s,
@@ -476,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         ("gather_to_torch_s", "gather -> torch (all rows)"),
         ("end_to_end_s", f"END TO END per step ({th} thr)"),
         ("end_to_end_one_thread_s", "end to end, 1 decode thread"),
+        ("end_to_end_fresh_targets_s", "end to end, fresh target memory"),
         ("tp2_sp_rank_gather_s", "gather, one TP2+SP rank"),
     ]:
         s = res[key]

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from routereplay.client import RouteCorruptError, RouteRecord
 from routereplay.client._layout import KeySchema, StoredRecord, plan_put, read_records
 from routereplay.trainer_adapter import (
+    TargetBuffers,
     gather_targets,
     multi_turn_sample,
     padded_position_map,
@@ -91,6 +92,7 @@ def _gather_from_chunks_equals_gather_from_joined_rows(lens, block, cp, tp, laye
     cup = np.concatenate([[0], np.cumsum(-(-(real + 1) // mult) * mult)])
     samples = [sample_from_record(i, r) for i, r in enumerate(recs)]
     pm = thd_position_map(samples, cu, cu_seqlens_padded=cup, records=recs)
+    tb = TargetBuffers(keep=1)
     for c in range(cp):
         for t in range(tp):
             loc = pm.local(cp_size=cp, cp_rank=c, tp_size=tp, tp_rank=t, cu_seqlens_padded=cup)
@@ -98,6 +100,12 @@ def _gather_from_chunks_equals_gather_from_joined_rows(lens, block, cp, tp, laye
             want = gather_targets(loc, plain, layers)
             np.testing.assert_array_equal(got.experts, want.experts)
             np.testing.assert_array_equal(got.valid, want.valid)
+            # Into recycled memory, poisoned after each use: every byte must be written again.
+            for _ in range(2):
+                pooled = gather_targets(loc, stored, layers, buffers=tb)
+                np.testing.assert_array_equal(pooled.experts, want.experts)
+                pooled.experts[...] = 0xEE
+                del pooled
             # And equal to one thread's copy (both above ran the same split).
             with mock.patch.object(_targets, "_SPLIT_BYTES", 1 << 62):
                 one = gather_targets(loc, plain, layers)
