@@ -10,8 +10,8 @@ from __future__ import annotations
 import bisect
 import itertools
 import os
-import sys
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -195,70 +195,87 @@ class TargetBuffers:
 
     A step's targets are one large array (103 MB for 256k tokens of a 48-layer top-8 model).
     Allocated afresh each step, its pages are new to the process: the kernel faults them in
-    and zeroes them, about a fifth of the gather's CPU time on a 2-core host
-    (docs/trainer.md). ``gather_targets(..., buffers=tb)`` writes into a buffer of ``tb``
-    instead, once it is free.
+    and zeroes them (5.9% of the CPU samples of a profiled step on 2 cores; docs/trainer.md).
+    ``gather_targets(..., buffers=tb)`` writes into a buffer of ``tb`` instead, once it is free.
 
-    A buffer counts as free only when nothing but the pool refers to it: no
-    :class:`ReplayTargets`, numpy view or tensor made with ``torch.from_numpy`` from an earlier
-    step's targets. Targets still in use are therefore never overwritten, whatever the caller
-    keeps; while all ``keep`` buffers are in use the gather gets fresh memory, as without a
-    pool. (Raw addresses, such as ``experts.ctypes.data``, are not references, as for any
-    numpy array.) Use one pool per stream of steps, from any threads (it locks). Page-locked
+    Each buffer is lent as a new array over its memory, and numpy makes every view of that
+    array refer to it (its base is not an ndarray, so views stop there). A buffer is free again
+    only once that array is gone, with every :class:`ReplayTargets`, numpy view, ``memoryview``
+    or ``torch.from_numpy`` tensor made from it: the pool holds a weak reference to it, so it
+    never decides from reference counts. Targets still referenced are therefore never
+    overwritten; while all ``keep`` buffers are lent the gather gets fresh memory, as without a
+    pool. A weak reference or a raw address (``experts.ctypes.data``, an
+    ``__array_interface__`` wrapper) does not keep the memory, as it would not keep any numpy
+    array alive. Use one pool per stream of steps, from any threads (it locks). Page-locked
     targets (``pin_memory=True``) come from torch's caching host allocator, which recycles
     them already; the two do not combine.
 
     Args:
-        keep: buffers the pool holds at most: the step being trained, the one the
-            :class:`Prefetcher` prepares, and a spare for the batch-major scratch of ``B > 1``
-            maps.
+        keep: buffers the pool holds at most. A :class:`Prefetcher` of ``depth=1`` can have
+            three steps' targets alive (the one trained, the one queued, the one being
+            prepared) and a ``B > 1`` map a batch-major scratch besides. The pool allocates
+            only as many as are in use at once, up to ``keep``.
     """
 
-    def __init__(self, keep: int = 3) -> None:
+    def __init__(self, keep: int = 4) -> None:
         if keep < 1:
             raise ReplayConfigError(f"TargetBuffers(keep={keep}): keep must be >= 1")
         self.keep = keep
         self._bufs: list[np.ndarray] = []
+        self._lent: list[weakref.ref[np.ndarray]] = []  # the array each buffer last lent
         self._lock = threading.Lock()
-        self.reused = 0  # buffers handed out again
+        self.reused = 0  # buffers lent again
         self.allocated = 0  # buffers allocated (kept or not)
-        # References a free buffer has when _free looks at it; measured, not assumed (the
-        # interpreter's own count of a local and a call argument differs between versions).
-        self._idle_refs = self._refs_of(np.empty(1, np.uint8))
-
-    @staticmethod
-    def _refs_of(buf: np.ndarray) -> int:
-        return sys.getrefcount(buf)
 
     def take(self, nbytes: int) -> np.ndarray:
-        """A flat uint8 array of ``nbytes`` no one else refers to, recycled where one is free.
+        """A flat uint8 array of ``nbytes``, over memory nothing else refers to: recycled where
+        a buffer is free, else fresh.
 
-        Memory of a recycled buffer holds an earlier step's bytes: the gather overwrites every
-        byte it returns."""
+        A recycled buffer holds an earlier step's bytes: the gather overwrites every byte it
+        returns."""
+        if nbytes <= 0:
+            return np.empty(0, np.uint8)
         with self._lock:
-            for i in range(len(self._bufs)):
-                if self._refs_of(self._bufs[i]) != self._idle_refs + 1:  # + the list's
-                    continue
-                if self._bufs[i].size >= nbytes:
-                    self.reused += 1
-                    return self._bufs[i][:nbytes]
-                # Free but too small (the batches vary): grow it, with room for the next steps.
-                del self._bufs[i]
-                return self._new(nbytes + nbytes // 8)[:nbytes]
-            return self._new(nbytes)[:nbytes]
+            free = [i for i, w in enumerate(self._lent) if w() is None]
+            fits = [i for i in free if self._bufs[i].size >= nbytes]
+            if fits:
+                self.reused += 1
+                return self._lend(min(fits, key=lambda j: self._bufs[j].size), nbytes)
+            if free:
+                # Free but all too small (the batches vary): replace the largest, with room
+                # for the next steps.
+                i = max(free, key=lambda j: self._bufs[j].size)
+                self._bufs[i] = self._alloc(nbytes + nbytes // 8)
+                return self._lend(i, nbytes)
+            if len(self._bufs) < self.keep:
+                self._bufs.append(self._alloc(nbytes))
+                self._lent.append(_DEAD)
+                return self._lend(len(self._bufs) - 1, nbytes)
+            return self._alloc(nbytes)  # all lent: fresh memory, not kept
 
-    def _new(self, nbytes: int) -> np.ndarray:
+    def _alloc(self, nbytes: int) -> np.ndarray:
         self.allocated += 1
-        buf = np.empty(nbytes, np.uint8)
-        if len(self._bufs) < self.keep:
-            self._bufs.append(buf)
-        return buf
+        return np.empty(nbytes, np.uint8)
+
+    def _lend(self, i: int, nbytes: int) -> np.ndarray:
+        # Over a memoryview, not the buffer itself: a view of an ndarray would have the pool's
+        # buffer as its base, and so would every view made from it.
+        lent = np.frombuffer(memoryview(self._bufs[i])[:nbytes], np.uint8)
+        self._lent[i] = weakref.ref(lent)
+        return lent
 
     def __repr__(self) -> str:
         return (
             f"TargetBuffers(keep={self.keep}, held={len(self._bufs)}, "
             f"reused={self.reused}, allocated={self.allocated})"
         )
+
+
+def _dead() -> None:
+    return None
+
+
+_DEAD = _dead  # stands in for the weak reference of a buffer never lent: it returns None
 
 
 def gather_targets(

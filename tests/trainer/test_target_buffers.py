@@ -161,3 +161,34 @@ def test_bad_arguments_are_named():
         gather_targets(pm, recs, MOE, pin_memory=True, buffers=TargetBuffers())
     with pytest.raises(ReplayConfigError, match="keep must be >= 1"):
         TargetBuffers(keep=0)
+
+
+def test_a_tracer_reading_frame_locals_changes_nothing():
+    """Debuggers read f_locals, which takes references in the frames they look at: the pool's
+    decision must not depend on such counts."""
+    import sys
+
+    def tracer(frame, event, arg):
+        _ = frame.f_locals
+        return tracer
+
+    rng = np.random.default_rng(8)
+    pm, recs = thd_step(rng, [12, 9])
+    tb = TargetBuffers(keep=1)
+    sys.settrace(tracer)
+    try:
+        tg = gather_targets(pm, recs, MOE, buffers=tb)
+    finally:
+        sys.settrace(None)
+    kept, want, addr = tg.experts[2:], tg.experts[2:].copy(), tg.experts.ctypes.data
+    del tg
+    nxt = gather_targets(pm, recs, MOE, buffers=tb)
+    assert nxt.experts.ctypes.data != addr
+    np.testing.assert_array_equal(kept, want)
+    del kept, nxt
+    sys.settrace(tracer)
+    try:
+        again = gather_targets(pm, recs, MOE, buffers=tb)
+    finally:
+        sys.settrace(None)
+    assert again.experts.ctypes.data == addr
