@@ -4,6 +4,7 @@ memory that targets still in use refer to."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -192,3 +193,37 @@ def test_a_tracer_reading_frame_locals_changes_nothing():
     finally:
         sys.settrace(None)
     assert again.experts.ctypes.data == addr
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_prefetcher_recycles_without_touching_the_step_in_use(padded):
+    """The trainer holds step k's targets while the Prefetcher prepares k+1 (and k+2 waits):
+    each step's targets must still be its own when it trains, and the pool must recycle."""
+    from routereplay.trainer_adapter import Prefetcher
+
+    rng = np.random.default_rng(9)
+    steps = []
+    for _ in range(12):
+        recs = [make_record(rng, rng.integers(0, 999, n)) for n in rng.integers(4, 30, 3)]
+        samples = [sample_from_record(i, r) for i, r in enumerate(recs)]
+        if padded:
+            pm = padded_position_map(samples, 30)
+        else:
+            cu = np.concatenate([[0], np.cumsum([r.num_tokens for r in recs])])
+            pm = thd_position_map(samples, cu)
+        steps.append((pm, recs))
+    truths = [naive_truth(pm, recs, MOE) for pm, recs in steps]
+    tb = TargetBuffers()
+
+    def prepare(k: int):
+        pm, recs = steps[k]
+        return k, gather_targets(pm, recs, MOE, buffers=tb)
+
+    seen = []
+    with Prefetcher(prepare, range(len(steps)), depth=1) as pf:
+        for k, tg in pf:
+            time.sleep(0.005)  # "training": the next step is prepared meanwhile
+            np.testing.assert_array_equal(tg.experts, truths[k])
+            seen.append(k)
+    assert seen == list(range(len(steps)))
+    assert tb.reused >= len(steps) // 2 and "held=" in repr(tb)
