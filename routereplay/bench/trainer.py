@@ -224,7 +224,7 @@ def run(url: str, args) -> dict:
         return raw, blob
 
     e2e_s, _, floor_s, (raw, blob) = _timeit_pair(prepare, floor, args.repeat)
-    e2e_fresh_s, _ = _timeit(lambda: gather(align(r := fetch()), r, fresh=True), args.repeat)
+    e2e_fresh_s, t_fresh = _timeit(lambda: gather(align(r := fetch()), r, fresh=True), args.repeat)
     # The same preparation with the chunks decoded on the calling thread only.
     serial_store = RouteStore.from_url(
         url, prefix="rrbench", decode_threads=1, block_size=args.block_size
@@ -267,6 +267,8 @@ def run(url: str, args) -> dict:
     peer_s, t_peer = _timeit(peer, args.repeat)
     assert torch.equal(t_peer, t), "the peer path gathered other targets"
     assert torch.equal(t1, t), "one decode thread gathered other targets"
+    assert torch.equal(t_fresh, t), "fresh target memory gathered other targets"
+    del t_fresh
     del t_peer, t1  # their buffers go back to the pool for the steps below
 
     # -- a training step: time added with and without prefetch ----------------------------------

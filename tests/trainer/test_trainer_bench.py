@@ -23,7 +23,8 @@ def test_bench_trainer_small(redis_url, capsys, routes):
     # The peer path was checked to gather the same targets (an assert inside the benchmark);
     # here: every baseline and the prefetch numbers were measured, not left out.
     for key in ("peer_over_ours", "ours_over_floor", "end_to_end_tokens_per_s",
-                "peer_over_ours_one_thread", "ours_one_thread_over_floor"):  # fmt: skip
+                "peer_over_ours_one_thread", "ours_one_thread_over_floor",
+                "end_to_end_fresh_targets_s"):  # fmt: skip
         assert res[key] > 0, key
     assert res["decode_threads"] == 2 and res["codec_kernel"] == "compiled"
     assert res["routes"] == routes
