@@ -222,7 +222,8 @@ class TargetBuffers:
             raise ReplayConfigError(f"TargetBuffers(keep={keep}): keep must be >= 1")
         self.keep = keep
         self._bufs: list[np.ndarray] = []
-        self._lent: list[weakref.ref[np.ndarray]] = []  # the array each buffer last lent
+        # A weak reference to the array each buffer last lent (None once it is gone).
+        self._lent: list[Callable[[], np.ndarray | None]] = []
         self._lock = threading.Lock()
         self.reused = 0  # buffers lent again
         self.allocated = 0  # buffers allocated (kept or not)
@@ -258,8 +259,9 @@ class TargetBuffers:
         return np.empty(nbytes, np.uint8)
 
     def _lend(self, i: int, nbytes: int) -> np.ndarray:
-        # Over a memoryview, not the buffer itself: a view of an ndarray would have the pool's
-        # buffer as its base, and so would every view made from it.
+        # Over a memoryview, not the buffer itself: numpy gives every view of a view of an
+        # ndarray that ndarray as its base, so a weak reference to a plain view would die with
+        # it while views made from it still used the memory.
         lent = np.frombuffer(memoryview(self._bufs[i])[:nbytes], np.uint8)
         self._lent[i] = weakref.ref(lent)
         return lent
