@@ -250,7 +250,7 @@ class TargetBuffers:
                 return self._lend(i, nbytes)
             if len(self._bufs) < self.keep:
                 self._bufs.append(self._alloc(nbytes))
-                self._lent.append(_DEAD)
+                self._lent.append(_never_lent)
                 return self._lend(len(self._bufs) - 1, nbytes)
             return self._alloc(nbytes)  # all lent: fresh memory, not kept
 
@@ -273,11 +273,9 @@ class TargetBuffers:
         )
 
 
-def _dead() -> None:
+def _never_lent() -> None:
+    """Stands in for the weak reference of a buffer not lent yet: it is free."""
     return None
-
-
-_DEAD = _dead  # stands in for the weak reference of a buffer never lent: it returns None
 
 
 def gather_targets(
@@ -441,18 +439,10 @@ def gather_targets(
     if B > 1:  # [M, B, S, K] -> [M, S, B, K]: Megatron's router flattens [S, B] sequence-major
         by_seq = out.reshape(M, B, S, top_k).transpose(0, 2, 1, 3)
         pinned = _empty(M * N * top_k, dt, pin_memory)
-        if pinned is None:
-            if buffers is None:
-                out = np.ascontiguousarray(by_seq).reshape(M, N, top_k)
-            else:
-                # A second buffer; the scratch's goes back to the pool when ``by_seq`` goes.
-                out = _host_empty(M * N * top_k, dt, buffers).reshape(M, S, B, top_k)
-                np.copyto(out, by_seq)
-                out = out.reshape(M, N, top_k)
-        else:
-            out = pinned.numpy().reshape(M, S, B, top_k)
-            np.copyto(out, by_seq)
-            out = out.reshape(M, N, top_k)
+        # Into a second buffer (from the pool, the scratch's going back to it with ``by_seq``).
+        flat = pinned.numpy() if pinned is not None else _host_empty(M * N * top_k, dt, buffers)
+        np.copyto(flat.reshape(M, S, B, top_k), by_seq)
+        out = flat.reshape(M, N, top_k)
         valid = np.ascontiguousarray(valid.reshape(B, S).T).reshape(N)
     if pinned is not None:
         pinned = pinned.view(M, N, top_k)

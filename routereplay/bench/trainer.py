@@ -268,8 +268,7 @@ def run(url: str, args) -> dict:
     assert torch.equal(t_peer, t), "the peer path gathered other targets"
     assert torch.equal(t1, t), "one decode thread gathered other targets"
     assert torch.equal(t_fresh, t), "fresh target memory gathered other targets"
-    del t_fresh
-    del t_peer, t1  # their buffers go back to the pool for the steps below
+    del t_fresh, t_peer, t1  # their buffers go back to the pool for the steps below
 
     # -- a training step: time added with and without prefetch ----------------------------------
     # The training step: on a GPU the step's targets are gathered into page-locked memory where
