@@ -27,6 +27,14 @@ def test_bench_trainer_small(redis_url, capsys, routes):
                 "end_to_end_fresh_targets_s"):  # fmt: skip
         assert res[key] > 0, key
     assert res["decode_threads"] == 2 and res["codec_kernel"] == "compiled"
+    # CPU per step, measured for both paths on this machine's loopback server: ours decodes,
+    # checks and gathers what the floor only copies, and the bound is that CPU over the cores.
+    assert res["cpu_ours_process_s"] > res["cpu_floor_process_s"] > 0
+    assert res["cpu_ours_redis_s"] > 0 and res["cpu_floor_redis_s"] > 0
+    assert res["cpus"] >= 1 and "CPU per step, this process + redis-server: ours" in out
+    bound = (res["cpu_ours_process_s"] + res["cpu_ours_redis_s"]) / res["cpus"]
+    assert res["cpu_bound_s"] == pytest.approx(bound)
+    assert res["cpu_bound_over_floor"] == pytest.approx(bound / res["floor_redis_get_copy_s"])
     assert res["routes"] == routes
     # Written in blocks of 64: records of 192 to 447 tokens span 3 to 7 chunks each, and the
     # 64-token prompt is one chunk shared by its group of 8 (at 128 they would span 2 to 4).
