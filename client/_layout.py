@@ -144,9 +144,9 @@ def record_seed(record: RouteRecord, block_size: int) -> bytes:
 
 
 # Chunk addresses hash every row byte (verified on every read), so the hash's speed is the
-# reader's cost. blake3 (~8 GB/s on one core here) for chunks written since format 2, blake2b
-# (~0.8 GB/s) for older ones, which stay readable. All are collision-resistant: a writer cannot
-# make another record's address hold its rows.
+# reader's cost. blake3 (1.5 to 2.4 GB/s on one core of a 2-core machine here, docs/storage.md)
+# for chunks written since format 2, blake2b (~0.6 GB/s) for older ones, which stay readable.
+# All are collision-resistant: a writer cannot make another record's address hold its rows.
 HASH_BLAKE2B = 1
 HASH_BLAKE3 = 2  # blake3(chain | valid bits | rows): format 2 and 3 chunks
 # blake3(rows | chain | valid bits), format 4: the rows first. blake3 hashes a tree of 1 KiB
