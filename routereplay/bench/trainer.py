@@ -388,12 +388,22 @@ def _compute(seconds: float, device: str = "cpu") -> None:
 
 
 def _redis_cpu_s(client: object) -> float | None:
-    """The redis-server's CPU seconds so far (``INFO cpu``: user + system, all its threads), or
-    None where the client's answer is not one server's (a cluster) or the server will not say."""
-    try:
-        info = client.info("cpu")  # type: ignore[attr-defined]
+    """The redis-server's CPU seconds so far (``INFO cpu``: user + system, all its threads; a
+    cluster's: every node's together), or None where the server will not say (a proxy may
+    refuse INFO)."""
+    import redis
+    from redis.cluster import RedisCluster
+
+    def used(info: dict) -> float:
         return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-    except Exception:
+
+    try:
+        if isinstance(client, RedisCluster):
+            # Without target nodes a cluster client asks one node, whichever is its default.
+            per_node = client.info("cpu", target_nodes=RedisCluster.ALL_NODES)
+            return sum(used(info) for info in per_node.values())
+        return used(client.info("cpu"))  # type: ignore[attr-defined]
+    except (redis.RedisError, KeyError, TypeError, ValueError, AttributeError):
         return None
 
 
