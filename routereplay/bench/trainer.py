@@ -29,6 +29,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -233,8 +234,6 @@ def run(url: str, args) -> dict:
     cpu_floor, cpu_floor_redis = _cpu_per_call(floor, args.repeat, store.redis)
     cpus = _usable_cpus()
     # The bound holds only where the redis-server runs on this machine's cores: a loopback URL.
-    from urllib.parse import urlsplit
-
     local_server = urlsplit(url).hostname in ("127.0.0.1", "localhost", "::1")
     cpu_bound_s = (
         (cpu_ours + cpu_ours_redis) / cpus if cpu_ours_redis is not None and local_server else None
@@ -430,6 +429,8 @@ def _cpu_per_call(fn: Callable[[], object], n: int, client: object) -> tuple[flo
 
 
 def _usable_cpus() -> int:
+    # The CPUs this process may run on (taskset shrinks them), as the store's default decode
+    # threads count them (client/_threads.py; private there, so not imported by tooling).
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
@@ -578,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         f"  ratios (same run), {th} decode threads: peer / ours = {res['peer_over_ours']:.2f}x "
         f"(target >= 3), ours / floor = {res['ours_over_floor']:.2f}x (target <= 2); one decode "
         f"thread: {res['peer_over_ours_one_thread']:.2f}x, "
-        f"{res['ours_one_thread_over_floor']:.2f}x  [{os.cpu_count()} CPUs, codec kernel: "
+        f"{res['ours_one_thread_over_floor']:.2f}x  [{res['cpus']} CPUs, codec kernel: "
         f"{res['codec_kernel']}, batch decoder: {res['batch_decoder']}]"
     )
     if res["cpu_ours_redis_s"] is not None:
@@ -595,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     else:
         print(f"  CPU per step: ours {res['cpu_ours_process_s']:.3f} s in this process "
-              "(the redis-server's CPU is unknown: not one server's INFO)")  # fmt: skip
+              "(the redis-server did not report its CPU: INFO refused)")  # fmt: skip
     if res["end_to_end_pinned_s"] is not None:
         s = res["end_to_end_pinned_s"]
         print(
