@@ -215,16 +215,54 @@ static PyObject *hist_u8(PyObject *self, PyObject *args) {
  *
  * out:  writable C-contiguous ids [M_out, N, K], ``itemsize`` bytes each.
  * jobs: (src, c0, n, x, y, o, s) tuples: copy src[c0 : c0 + n, x : y, :] to
- *       out[o : o + n, s : s + y - x, :]. A source whose rows of one layer are not contiguous
- *       (strides[2] != itemsize or strides[1] != K * itemsize: a record's token-major rows)
- *       or that holds other ids is skipped: its index is returned for the caller to copy.
+ *       out[o : o + n, s : s + y - x, :]. ``src`` is one array, or a tuple of arrays that hold a
+ *       record's rows one after another from row 0 (its chunks: RouteRecord.layer_major_parts),
+ *       x : y then being rows of the record, cut here at the parts' bounds. A job whose source
+ *       (or any part of it that the rows touch) has a layer's rows not contiguous
+ *       (strides[2] != itemsize or strides[1] != K * itemsize: a record's token-major rows) or
+ *       holds other ids is skipped: its index is returned for the caller to copy.
  *
  * The gather of a training step's targets (trainer_adapter._targets): ~2000 runs of ~1 KB per
  * layer from a read's chunks. numpy copies each run with the GIL released but takes it back
  * between runs, so threads splitting a step's gather did not get past ~2x on a 16-core host;
- * here every run of a thread's share is copied in one stretch without it. Every job is checked
- * (shapes, strides, bounds) before any byte is copied; a bad one raises ValueError naming it.
+ * here every run of a thread's share is copied in one stretch without it. Parts: a job per
+ * span of a record instead of one per chunk it crosses (~90 jobs a step instead of ~2000),
+ * cut here rather than in Python: a step's gather took 0.6 to 1.4 ms less, here and on an H200
+ * host. Every job is checked (shapes, strides, bounds) before any byte is copied; a bad one
+ * raises ValueError naming it.
  */
+struct run {
+    const char *src;
+    char *dst;
+    Py_ssize_t n, src_step, bytes;
+};
+
+typedef struct {
+    Py_buffer *views;
+    struct run *runs;
+    Py_ssize_t nv, cv, nr, cr;
+} copy_plan;
+
+static Py_buffer *plan_view(copy_plan *p) {
+    if (p->nv == p->cv) {
+        const Py_ssize_t c = p->cv ? 2 * p->cv : 64;
+        Py_buffer *v = PyMem_Realloc(p->views, c * sizeof *v);
+        if (!v) return NULL;
+        p->views = v, p->cv = c;
+    }
+    return &p->views[p->nv];
+}
+
+static struct run *plan_run(copy_plan *p) {
+    if (p->nr == p->cr) {
+        const Py_ssize_t c = p->cr ? 2 * p->cr : 64;
+        struct run *r = PyMem_Realloc(p->runs, c * sizeof *r);
+        if (!r) return NULL;
+        p->runs = r, p->cr = c;
+    }
+    return &p->runs[p->nr++];
+}
+
 static PyObject *copy_runs(PyObject *self, PyObject *args) {
     Py_buffer out;
     PyObject *jobs_in;
@@ -236,17 +274,10 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
         return NULL;
     }
     const Py_ssize_t nj = PyTuple_GET_SIZE(jobs);
-    Py_buffer *views = PyMem_Calloc(nj ? nj : 1, sizeof(Py_buffer));
-    struct run { const char *src; char *dst; Py_ssize_t n, src_step, bytes; } *runs =
-        PyMem_Calloc(nj ? nj : 1, sizeof *runs);
-    Py_ssize_t held = 0;
+    copy_plan plan = {NULL, NULL, 0, 0, 0, 0};
     PyObject *skipped = NULL;
     const char *err = NULL;
     char msg[160];
-    if (!views || !runs) {
-        PyErr_NoMemory();
-        goto done;
-    }
     if (N < 0 || K < 1 || (isz != 1 && isz != 2) || out.len % (N * K * isz ? N * K * isz : 1)) {
         err = "copy_runs: out is not [M, N, K] ids of this size";
         goto done;
@@ -258,42 +289,90 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
         Py_ssize_t c0, n, x, y, o, s;
         if (!PyArg_ParseTuple(PyTuple_GET_ITEM(jobs, j), "Onnnnnn", &src, &c0, &n, &x, &y, &o, &s))
             goto done;
-        if (PyObject_GetBuffer(src, &views[j], PyBUF_STRIDES | PyBUF_FORMAT) < 0) goto done;
-        held = j + 1;
-        const Py_buffer *v = &views[j];
-        if (v->ndim != 3 || v->itemsize != isz || v->shape[2] != K || v->strides[2] != isz ||
-            v->strides[1] != row) {
+        /* Written so that no sum can overflow, whatever the caller passes. */
+        if (c0 < 0 || n < 0 || x < 0 || y < x || o < 0 || o > m_out || n > m_out - o || s < 0 ||
+            s > N || y - x > N - s) {
+            snprintf(msg, sizeof msg, "copy_runs: job %zd does not fit its source or out", j);
+            err = msg;
+            goto done;
+        }
+        const int parts = PyTuple_Check(src);
+        const Py_ssize_t np_ = parts ? PyTuple_GET_SIZE(src) : 1;
+        const Py_ssize_t v0 = plan.nv, r0 = plan.nr;
+        Py_ssize_t first = 0, d = s; /* the part's first row of the record; where it goes */
+        int skip = 0;
+        for (Py_ssize_t q = 0; q < np_ && (parts ? first < y : q == 0); q++) {
+            Py_buffer *v = plan_view(&plan);
+            if (!v) {
+                PyErr_NoMemory();
+                goto done;
+            }
+            if (PyObject_GetBuffer(parts ? PyTuple_GET_ITEM(src, q) : src, v,
+                                   PyBUF_STRIDES | PyBUF_FORMAT) < 0)
+                goto done;
+            plan.nv++;
+            if (v->ndim != 3 || v->itemsize != isz || v->shape[2] != K || v->strides[2] != isz ||
+                v->strides[1] != row) {
+                skip = 1;
+                break;
+            }
+            const Py_ssize_t rows = v->shape[1];
+            if (c0 > v->shape[0] || n > v->shape[0] - c0) {
+                snprintf(msg, sizeof msg, "copy_runs: job %zd does not fit its source or out", j);
+                err = msg;
+                goto done;
+            }
+            /* this part's rows first .. first + rows, of which x .. y are copied */
+            const Py_ssize_t a = parts ? (x > first ? x - first : 0) : x;
+            const Py_ssize_t b = parts ? (y - first < rows ? y - first : rows) : y;
+            if (!parts && b > rows) {
+                snprintf(msg, sizeof msg, "copy_runs: job %zd does not fit its source or out", j);
+                err = msg;
+                goto done;
+            }
+            if (a < b) {
+                struct run *r = plan_run(&plan);
+                if (!r) {
+                    PyErr_NoMemory();
+                    goto done;
+                }
+                r->src = (const char *)v->buf + c0 * v->strides[0] + a * row;
+                r->src_step = v->strides[0];
+                r->dst = (char *)out.buf + o * layer + d * row;
+                r->n = n;
+                r->bytes = (b - a) * row;
+                d += b - a;
+            }
+            first += rows;
+        }
+        if (!skip && parts && first < y) {
+            snprintf(msg, sizeof msg, "copy_runs: job %zd: its parts hold fewer rows than %zd",
+                     j, y);
+            err = msg;
+            goto done;
+        }
+        if (skip) { /* nothing of this job is copied here */
+            for (Py_ssize_t i = v0; i < plan.nv; i++) PyBuffer_Release(&plan.views[i]);
+            plan.nv = v0, plan.nr = r0;
             PyObject *idx = PyLong_FromSsize_t(j);
             if (!idx || PyList_Append(skipped, idx) < 0) {
                 Py_XDECREF(idx);
                 goto done;
             }
             Py_DECREF(idx);
-            continue; /* runs[j].n stays 0: nothing copied here */
         }
-        /* Written so that no sum can overflow, whatever the caller passes. */
-        if (c0 < 0 || n < 0 || c0 > v->shape[0] || n > v->shape[0] - c0 || x < 0 || y < x ||
-            y > v->shape[1] || o < 0 || o > m_out || n > m_out - o || s < 0 || s > N ||
-            y - x > N - s) {
-            snprintf(msg, sizeof msg, "copy_runs: job %zd does not fit its source or out", j);
-            err = msg;
-            goto done;
-        }
-        runs[j].src = (const char *)v->buf + c0 * v->strides[0] + x * row;
-        runs[j].src_step = v->strides[0];
-        runs[j].dst = (char *)out.buf + o * layer + s * row;
-        runs[j].n = n;
-        runs[j].bytes = (y - x) * row;
     }
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t j = 0; j < nj; j++)
-        for (Py_ssize_t l = 0; l < runs[j].n; l++)
-            memcpy(runs[j].dst + l * layer, runs[j].src + l * runs[j].src_step, runs[j].bytes);
+    for (Py_ssize_t j = 0; j < plan.nr; j++) {
+        const struct run *r = &plan.runs[j];
+        for (Py_ssize_t l = 0; l < r->n; l++)
+            memcpy(r->dst + l * layer, r->src + l * r->src_step, r->bytes);
+    }
     Py_END_ALLOW_THREADS
 done:
-    for (Py_ssize_t j = 0; j < held; j++) PyBuffer_Release(&views[j]);
-    PyMem_Free(views);
-    PyMem_Free(runs);
+    for (Py_ssize_t i = 0; i < plan.nv; i++) PyBuffer_Release(&plan.views[i]);
+    PyMem_Free(plan.views);
+    PyMem_Free(plan.runs);
     Py_DECREF(jobs);
     PyBuffer_Release(&out);
     if (err) PyErr_SetString(PyExc_ValueError, err);

@@ -15,12 +15,15 @@ except ImportError:  # not built, or built from an older source
 
 __all__ = ["copy_row_runs"]
 
-Run = tuple[np.ndarray, int, int, int, int, int, int]
+Run = tuple[np.ndarray | tuple[np.ndarray, ...], int, int, int, int, int, int]
 
 
 def copy_row_runs(out: np.ndarray, runs: Sequence[Run]) -> list[int]:
     """Copy ``src[c0 : c0 + n, x : y, :]`` to ``out[o : o + n, s : s + y - x, :]`` for each run
-    ``(src, c0, n, x, y, o, s)`` of ``out`` ``[M, N, K]`` (C-contiguous ids).
+    ``(src, c0, n, x, y, o, s)`` of ``out`` ``[M, N, K]`` (C-contiguous ids). ``src`` may be a
+    tuple of arrays holding a record's rows one after another from row 0 (its chunks,
+    :meth:`RouteRecord.layer_major_parts`): ``x : y`` are then rows of the record, and the
+    kernel cuts the run at the parts' bounds (one job per span instead of one per chunk).
 
     Every run is checked before any byte is copied (ValueError naming the first that does not
     fit), then all are copied in one stretch without the GIL: numpy's copies take the GIL back

@@ -262,7 +262,8 @@ def test_the_compiled_copy_takes_store_chunks_and_checks_every_job() -> None:
 
     with mock.patch.object(_targets, "_copy_runs", spy):
         got = gather_targets(pm, stored, (1, 4))  # two layer runs: (1,) and (4,)
-        assert calls == [(2 * (5 + 3), 0)]  # per layer run, a job per chunk, all copied
+        # Per layer run, a job per record (its chunks, cut by the kernel), all copied.
+        assert calls == [(2 * 2, 0)]
         calls.clear()
         # Token-major rows (a record built in memory): skipped, numpy copies them.
         want = gather_targets(pm, recs, (1, 4))
@@ -294,6 +295,32 @@ def test_the_compiled_copy_takes_store_chunks_and_checks_every_job() -> None:
         with pytest.raises(ValueError, match="copy_runs: job 1 does not fit"):
             copy_runs(out, [(src, 0, 1, 0, 1, 0, 0), job])
         np.testing.assert_array_equal(out, before)  # checked before anything is copied
+    # A record's chunks as one source: rows x..y of the record, cut at the parts' bounds.
+    parts = tuple(np.arange(i * 100, i * 100 + 2 * n * K, dtype=np.uint8).reshape(2, n, K)
+                  for i, n in enumerate((3, 4, 2)))  # rows 0-2, 3-6, 7-8  # fmt: skip
+    whole = np.concatenate(parts, axis=1)
+    for x, y in [(0, 9), (1, 8), (3, 7), (4, 5), (2, 3), (5, 5)]:
+        out = np.zeros((3, 10, K), np.uint8)
+        assert copy_runs(out, [(parts, 1, 1, x, y, 2, 1)]) == []
+        want_out = np.zeros_like(out)
+        want_out[2, 1 : 1 + y - x] = whole[1, x:y]
+        np.testing.assert_array_equal(out, want_out)
+    out = np.zeros((3, 10, K), np.uint8)
+    # A part it cannot take (token-major) skips the whole job; the other is copied.
+    mixed = (parts[0], parts[1].transpose(1, 0, 2).copy().transpose(1, 0, 2), parts[2])
+    assert copy_runs(out, [(mixed, 0, 1, 0, 9, 0, 0), (parts, 0, 2, 0, 9, 0, 0)]) == [0]
+    np.testing.assert_array_equal(out[:2, :9], whole)
+    before = out.copy()
+    for job in [
+        (parts, 0, 1, 0, 10, 0, 0),  # rows past the parts
+        (parts, 1, 2, 0, 9, 0, 0),  # layers past the parts
+        ((), 0, 1, 0, 1, 0, 0),  # no parts, a row asked for
+    ]:
+        with pytest.raises(ValueError, match="copy_runs: job 1"):
+            copy_runs(out, [(parts, 0, 1, 0, 1, 0, 0), job])
+        np.testing.assert_array_equal(out, before)
+    assert copy_runs(out, [((), 0, 1, 0, 0, 0, 0)]) == []  # no rows from no parts: nothing
+    out = before.copy()
     from routereplay.client import _ckernel, _rows
 
     with pytest.raises(ValueError, match="not \\[M, N, K\\]"):
