@@ -337,7 +337,7 @@ def gather_targets(
     dt = expert_dtype(num_experts)
     cols_of: dict[int, list[tuple[int, int, int]]] = {}
     # record -> (first row of each part, the parts: a copy_runs source as they are)
-    parts_of: dict[int, tuple[list[int], tuple[np.ndarray, ...]]] = {}
+    parts_of: dict[int, tuple[tuple[int, ...], tuple[np.ndarray, ...]]] = {}
     runs_of_layout: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}  # records share one
     for ri in used.tolist():
         r = records[ri]
@@ -357,12 +357,9 @@ def gather_targets(
             runs = runs_of_layout[r.moe_layers] = _col_runs([r.moe_layers.index(x) for x in layers])
         cols_of[ri] = runs
         # A record read from a store is its chunks: copied from them straight into ``out``.
+        # (layer_major_parts: consecutive from row 0, what the kernel's cuts rely on)
         parts = r.layer_major_parts()
-        firsts = [p0 for p0, _ in parts]
-        arrs = tuple(a for _, a in parts)
-        if firsts != list(itertools.accumulate((a.shape[1] for a in arrs[:-1]), initial=0)):
-            raise TargetShapeError(f"record {ri}: its row parts are not consecutive from row 0")
-        parts_of[ri] = (firsts, arrs)
+        parts_of[ri] = tuple(zip(*parts, strict=True)) if parts else ((), ())  # type: ignore[assignment]
     if input_ids is not None:
         pmap.check_tokens(records, input_ids)
 
@@ -379,10 +376,7 @@ def gather_targets(
     tok = pmap.token.reshape(-1)
     routed = np.zeros(N, bool)  # positions given a valid row of a record, set as they are copied
     if N:
-        brk = np.flatnonzero((rec[1:] != rec[:-1]) | (tok[1:] != tok[:-1] + 1)) + 1
-        starts = np.concatenate([[0], brk]).tolist()
-        ends = np.concatenate([brk, [N]]).tolist()
-        spans = [(s, e) for s, e in zip(starts, ends, strict=True) if rec[s] >= 0]
+        spans = pmap.runs
 
         def copy(lo: int, hi: int) -> None:
             """Copy the rows of output positions ``lo..hi`` (cutting the runs there)."""

@@ -185,6 +185,28 @@ def test_token_mismatch_names_sample_position_and_ids(rng):
     assert "sample 1 position 3: trainer token id 99 but the route record has 23" in str(e)
 
 
+@pytest.mark.parametrize("n_records,length", [(10, 50), (40, 3)])
+def test_token_check_run_by_run_and_at_once(rng, n_records, length):
+    # 10 long runs: checked run by run (slices); 40 runs of 3 positions: all positions at once.
+    # Both name the first mismatching position; rows past a record's end are left to the
+    # map's own check (thd_position_map(records=...)), as before.
+    recs = [make_record(rng, rng.integers(0, 999, length)) for _ in range(n_records)]
+    cu = np.arange(n_records + 1) * length
+    pm = thd_position_map([sample_from_record(i, r) for i, r in enumerate(recs)], cu)
+    assert len(pm.runs) == n_records
+    ids = np.concatenate([r.token_ids for r in recs])
+    pm.check_tokens(recs, ids)  # no mismatch
+    for k, pos in [(n_records - 1, length - 1), (3, 1)]:
+        bad = ids.copy()
+        bad[cu[k] + pos] += 1
+        bad[cu[-1] - 1] += 7  # a later mismatch too: the first one is named
+        with pytest.raises(TokenMismatchError) as ei:
+            pm.check_tokens(recs, bad)
+        e = ei.value
+        assert (e.sample, e.position) == (k, pos)
+        assert (e.expected, e.found) == (bad[cu[k] + pos], recs[k].token_ids[pos])
+
+
 def test_layers_by_global_number_not_offset(rng):
     recs = [make_record(rng, rng.integers(0, 999, 6))]
     pm = thd_position_map([sample_from_record(0, recs[0])], [0, 6])
