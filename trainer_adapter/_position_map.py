@@ -225,6 +225,20 @@ class PositionMap:
         ends = [*brk.tolist(), n]
         return [(a, b) for a, b in zip(starts, ends, strict=True) if rec[a] >= 0]
 
+    @functools.cached_property
+    def used_records(self) -> np.ndarray:
+        """The record indices the map reads from, ascending (from its runs where they are
+        few, as in a packed batch; a sort of every position's otherwise)."""
+        rec = self.record.reshape(-1)
+        if self._few_runs():
+            return np.array(sorted({int(rec[a]) for a, _ in self.runs}), dtype=np.int32)
+        return np.unique(rec[rec >= 0])
+
+    def _few_runs(self) -> bool:
+        """Runs long enough (64 positions on average, or at most 16 runs) that a Python step per
+        run costs less than a numpy pass over every position."""
+        return len(self.runs) <= max(16, self.record.size // 64)
+
     @property
     def num_tokens(self) -> int:
         """Rows the router sees: ``B * S``."""
@@ -307,9 +321,8 @@ class PositionMap:
         # Run by run (a slice compare each) where runs are long, as in a packed batch: a tenth
         # of the cost of gathering every position's token (bench trainer); else at once.
         rec, tok, want = self.record.reshape(-1), self.token.reshape(-1), ids.reshape(-1)
-        runs = self.runs
-        if len(runs) <= max(16, rec.shape[0] // 64):
-            for a, b in runs:
+        if self._few_runs():
+            for a, b in self.runs:
                 ri, t0 = int(rec[a]), int(tok[a])
                 got = records[ri].token_ids[t0 : t0 + b - a]
                 if got.shape[0] != b - a:

@@ -326,7 +326,7 @@ def gather_targets(
             "are recycled by torch's caching host allocator already)"
         )
     layers = tuple(int(x) for x in layers)
-    used = np.unique(pmap.record[pmap.record >= 0])
+    used = pmap.used_records
     if num_experts is None or top_k is None:
         # From any record, used or not: a rank's slice may be all padding.
         if not len(records):

@@ -194,6 +194,13 @@ def test_token_check_run_by_run_and_at_once(rng, n_records, length):
     cu = np.arange(n_records + 1) * length
     pm = thd_position_map([sample_from_record(i, r) for i, r in enumerate(recs)], cu)
     assert len(pm.runs) == n_records
+    # The records a map reads, ascending, whichever way they are found (runs or every position).
+    rev = thd_position_map(
+        [sample_from_record(i, recs[i]).resized(length + 2) for i in range(n_records)][::-1],
+        np.arange(n_records + 1) * (length + 2),
+    )  # records in reverse order, each with two no-route positions after it
+    for m in (pm, rev):
+        np.testing.assert_array_equal(m.used_records, np.unique(m.record[m.record >= 0]))
     ids = np.concatenate([r.token_ids for r in recs])
     pm.check_tokens(recs, ids)  # no mismatch
     for k, pos in [(n_records - 1, length - 1), (3, 1)]:
