@@ -318,7 +318,7 @@ class PositionMap:
             raise RouteAlignmentError(
                 f"input_ids shape {ids.shape} differs from the position map's {self.shape}"
             )
-        # Run by run (a slice compare each) where runs are long, as in a packed batch: a tenth
+        # Run by run (a slice compare each) where runs are long, as in a packed batch: a quarter
         # of the cost of gathering every position's token (bench trainer); else at once.
         rec, tok, want = self.record.reshape(-1), self.token.reshape(-1), ids.reshape(-1)
         if self._few_runs():
@@ -326,7 +326,7 @@ class PositionMap:
                 ri, t0 = int(rec[a]), int(tok[a])
                 got = records[ri].token_ids[t0 : t0 + b - a]
                 if got.shape[0] != b - a:
-                    break  # rows past the record's end: named by the check below
+                    break  # rows past the record's end: left to the check below, as before
                 if not np.array_equal(got, want[a:b]):
                     j = a + int(np.flatnonzero(got != want[a:b])[0])
                     bb, ss = divmod(j, self.shape[1])
