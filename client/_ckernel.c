@@ -243,16 +243,6 @@ typedef struct {
     Py_ssize_t nv, cv, nr, cr;
 } copy_plan;
 
-static Py_buffer *plan_view(copy_plan *p) {
-    if (p->nv == p->cv) {
-        const Py_ssize_t c = p->cv ? 2 * p->cv : 64;
-        Py_buffer *v = PyMem_Realloc(p->views, c * sizeof *v);
-        if (!v) return NULL;
-        p->views = v, p->cv = c;
-    }
-    return &p->views[p->nv];
-}
-
 static struct run *plan_run(copy_plan *p) {
     if (p->nr == p->cr) {
         const Py_ssize_t c = p->cr ? 2 * p->cr : 64;
@@ -284,6 +274,18 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
     }
     const Py_ssize_t row = K * isz, layer = N * row, m_out = layer ? out.len / layer : 0;
     if (!(skipped = PyList_New(0))) goto done;
+    /* Room for a view of every source and part up front: a Py_buffer is not moved once the
+     * exporter has filled it in (a malformed job is named by the parse below). */
+    for (Py_ssize_t j = 0; j < nj; j++) {
+        PyObject *job = PyTuple_GET_ITEM(jobs, j), *src0;
+        const int parts0 = PyTuple_Check(job) && PyTuple_GET_SIZE(job) > 0 &&
+                           PyTuple_Check(src0 = PyTuple_GET_ITEM(job, 0));
+        plan.cv += parts0 ? PyTuple_GET_SIZE(src0) : 1;
+    }
+    if (!(plan.views = PyMem_Calloc(plan.cv ? plan.cv : 1, sizeof(Py_buffer)))) {
+        PyErr_NoMemory();
+        goto done;
+    }
     for (Py_ssize_t j = 0; j < nj; j++) {
         PyObject *src;
         Py_ssize_t c0, n, x, y, o, s;
@@ -302,11 +304,7 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
         Py_ssize_t first = 0, d = s; /* the part's first row of the record; where it goes */
         int skip = 0;
         for (Py_ssize_t q = 0; q < np_ && (parts ? first < y : q == 0); q++) {
-            Py_buffer *v = plan_view(&plan);
-            if (!v) {
-                PyErr_NoMemory();
-                goto done;
-            }
+            Py_buffer *v = &plan.views[plan.nv]; /* nv < cv: counted above */
             if (PyObject_GetBuffer(parts ? PyTuple_GET_ITEM(src, q) : src, v,
                                    PyBUF_STRIDES | PyBUF_FORMAT) < 0)
                 goto done;
