@@ -293,11 +293,8 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
             goto done;
         /* Written so that no sum can overflow, whatever the caller passes. */
         if (c0 < 0 || n < 0 || x < 0 || y < x || o < 0 || o > m_out || n > m_out - o || s < 0 ||
-            s > N || y - x > N - s) {
-            snprintf(msg, sizeof msg, "copy_runs: job %zd does not fit its source or out", j);
-            err = msg;
-            goto done;
-        }
+            s > N || y - x > N - s)
+            goto misfit;
         const int parts = PyTuple_Check(src);
         const Py_ssize_t np_ = parts ? PyTuple_GET_SIZE(src) : 1;
         const Py_ssize_t v0 = plan.nv, r0 = plan.nr;
@@ -315,19 +312,10 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
                 break;
             }
             const Py_ssize_t rows = v->shape[1];
-            if (c0 > v->shape[0] || n > v->shape[0] - c0) {
-                snprintf(msg, sizeof msg, "copy_runs: job %zd does not fit its source or out", j);
-                err = msg;
-                goto done;
-            }
-            /* this part's rows first .. first + rows, of which x .. y are copied */
-            const Py_ssize_t a = parts ? (x > first ? x - first : 0) : x;
-            const Py_ssize_t b = parts ? (y - first < rows ? y - first : rows) : y;
-            if (!parts && b > rows) {
-                snprintf(msg, sizeof msg, "copy_runs: job %zd does not fit its source or out", j);
-                err = msg;
-                goto done;
-            }
+            if (c0 > v->shape[0] || n > v->shape[0] - c0) goto misfit;
+            /* this part's rows first .. first + rows (one array: first = 0), of which x .. y */
+            const Py_ssize_t a = x > first ? x - first : 0;
+            const Py_ssize_t b = y - first < rows ? y - first : rows;
             if (a < b) {
                 struct run *r = plan_run(&plan);
                 if (!r) {
@@ -343,7 +331,8 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
             }
             first += rows;
         }
-        if (!skip && parts && first < y) {
+        if (!skip && first < y) { /* rows past the source, or past its last part */
+            if (!parts) goto misfit;
             snprintf(msg, sizeof msg, "copy_runs: job %zd: its parts hold fewer rows than %zd",
                      j, y);
             err = msg;
@@ -359,6 +348,11 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
             }
             Py_DECREF(idx);
         }
+        continue;
+    misfit:
+        snprintf(msg, sizeof msg, "copy_runs: job %zd does not fit its source or out", j);
+        err = msg;
+        goto done;
     }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t j = 0; j < plan.nr; j++) {
