@@ -330,13 +330,7 @@ class PositionMap:
                 if not np.array_equal(got, want[a:b]):
                     j = a + int(np.flatnonzero(got != want[a:b])[0])
                     bb, ss = divmod(j, self.shape[1])
-                    raise TokenMismatchError(
-                        int(self.sample[bb, ss]),
-                        int(self.offset[bb, ss]),
-                        int(want[j]),
-                        int(got[j - a]),
-                        f"batch row {bb}, packed position {ss}, record {ri} token {int(tok[j])}",
-                    )
+                    raise self._token_mismatch(bb, ss, int(want[j]), int(got[j - a]))
             else:
                 return
         all_tok, offs = _concat_tokens(records)
@@ -347,14 +341,19 @@ class PositionMap:
         if bad.size:
             j = int(bad[0])
             b, s = (int(x[j]) for x in np.nonzero(mapped))
-            raise TokenMismatchError(
-                int(self.sample[b, s]),
-                int(self.offset[b, s]),
-                int(want[j]),
-                int(got[j]),
-                f"batch row {b}, packed position {s}, record {int(self.record[b, s])} "
-                f"token {int(self.token[b, s])}",
-            )
+            raise self._token_mismatch(b, s, int(want[j]), int(got[j]))
+
+    def _token_mismatch(self, b: int, s: int, expected: int, found: int) -> TokenMismatchError:
+        """The error for position ``[b, s]``: the trainer's token ``expected``, the record's
+        ``found``."""
+        return TokenMismatchError(
+            int(self.sample[b, s]),
+            int(self.offset[b, s]),
+            expected,
+            found,
+            f"batch row {b}, packed position {s}, record {int(self.record[b, s])} "
+            f"token {int(self.token[b, s])}",
+        )
 
 
 def _concat_tokens(records: Sequence[RouteRecord]) -> tuple[np.ndarray, np.ndarray]:
