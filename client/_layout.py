@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import re
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent import futures
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -623,9 +624,9 @@ class ChunkDecoder(Mapping[bytes, "Block | RouteError | None"]):
 
     With a thread pool each batch is split among its workers, each part decoded by one call of
     the compiled batch decoder (without the GIL; :func:`batch_decoder`), so chunks decode in
-    parallel while the caller waits on Redis for the next batch, and looking a chunk up waits
-    only for the part holding it, so records assemble while later chunks still decode. Without
-    a pool, chunks decode on the caller's thread as they are added.
+    parallel while the caller waits on Redis for the next batch; looking a chunk up waits only
+    for the part holding it, and :meth:`wait` for every part. Without a pool, chunks decode on
+    the caller's thread as they are added.
     """
 
     def __init__(self, pool: Executor | None = None, parts: int = 1) -> None:
@@ -644,6 +645,12 @@ class ChunkDecoder(Mapping[bytes, "Block | RouteError | None"]):
             fut = self.pool.submit(_decode_chunks, part)
             self._members[fut] = [d for d, _ in part]
             self._pending.update((d, fut) for d, _ in part)
+
+    def wait(self) -> None:
+        """Return once every chunk added so far is decoded (the caller blocked meanwhile, not
+        holding the GIL)."""
+        if self._members:
+            futures.wait(list(self._members))
 
     def __getitem__(self, digest: bytes) -> Block | RouteError | None:
         if digest not in self._done:

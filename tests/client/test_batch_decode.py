@@ -164,6 +164,39 @@ def test_chunks_of_a_real_put_decode_as_the_python_path() -> None:
     assert rebuilt == rec
 
 
+def test_a_chunk_decoder_waits_for_every_part() -> None:
+    """``ChunkDecoder.wait`` returns once every part on the pool is decoded (a store read
+    assembles its records after it), and the blocks are the ones decoded inline."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(1)
+    T, M, K, E = 600, 4, 2, 64
+    rec = RouteRecord(
+        token_ids=rng.integers(0, 50_000, T),
+        experts=rng.integers(0, E, (T, M, K)).astype(np.uint8),
+        valid=np.ones(T, bool), moe_layers=tuple(range(M)), num_layers=M, num_experts=E,
+        prompt_len=10,
+    )  # fmt: skip
+    plan = L.plan_put(L.KeySchema(), "r", rec, 64)
+    digests = [bytes.fromhex(k.split("{")[1].rstrip("}")) for k in plan.chunk_keys]
+    blobs = [plan.chunk_blob(i) for i in range(len(digests))]
+    gate = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(gate.wait)  # the one worker is busy: every part queues behind it
+        dec = L.ChunkDecoder(pool, 4)
+        dec.add(digests, blobs)
+        parts = list(dec._members)
+        assert len(parts) == 4 and not any(f.done() for f in parts)
+        threading.Timer(0.2, gate.set).start()
+        dec.wait()
+        assert held.done() and all(f.done() for f in parts)
+    inline = L._decode_chunks(list(zip(digests, blobs, strict=True)))
+    for a, b in zip(dec.take(digests), inline, strict=True):
+        _same(a, b)
+    L.ChunkDecoder().wait()  # nothing added, nothing to wait for
+
+
 def _reframe(blob: bytes, payload: dict | bytes, version: int | None = None) -> bytes:
     body = payload if isinstance(payload, bytes) else msgpack.packb(payload, use_bin_type=True)
     magic, v, kind, res, _, _ = C._HEADER.unpack_from(blob)

@@ -450,7 +450,7 @@ def test_reads_in_batches_on_decode_threads_give_the_same_results(
     # r6's last chunk holds r0's (a content-address mismatch)
     raw.set(s.keys.chunk(m6.digests[-1]), raw.get(s.keys.chunk(m0.digests[-1])), keepttl=True)
 
-    # Round trips of 2, 4, then 5 chunks: many batches, growing as reads do.
+    # Round trips of 2, 4, then 5 chunks, and fewer at the end: many batches, as reads make.
     monkeypatch.setattr(_store, "_FIRST_GET_BATCH", 2)
     monkeypatch.setattr(_store, "_GET_BATCH", 5)
     got = s.get_many(ids, return_exceptions=True, missing_ok=True)
@@ -471,6 +471,30 @@ def test_reads_in_batches_on_decode_threads_give_the_same_results(
     assert s._pool is None
     with pytest.raises(ValueError, match="decode_threads must be >= 1"):
         RouteStore.from_url(redis_url, decode_threads=0)
+
+
+def test_read_batches_grow_then_shrink_and_cover_every_chunk() -> None:
+    """A read's round trips ask for 64, 128, then 256 chunks, and for about half of what is
+    left at the end, so that little is still to decode after the last reply; every chunk is in
+    exactly one batch, and no batch is a crumb of a few chunks."""
+    from routereplay.client._store import _FIRST_GET_BATCH, _GET_BATCH, _batch_sizes
+
+    assert (_FIRST_GET_BATCH, _GET_BATCH) == (64, 256)
+    assert _batch_sizes(0) == []
+    assert _batch_sizes(1) == [1] and _batch_sizes(64) == [64] and _batch_sizes(80) == [80]
+    assert _batch_sizes(100) == [64, 36]
+    # A 256k-token training step of bench trainer reads 1503 distinct chunks.
+    assert _batch_sizes(1503) == [64, 128, 256, 256, 256, 256, 143, 72, 72]
+    for n in range(1, 6000, 7):
+        sizes = _batch_sizes(n)
+        assert sum(sizes) == n and max(sizes) <= _GET_BATCH, n
+        # (a batch may take the few chunks after it along: 71 chunks are one round trip)
+        assert all(k < min(64 << i, 256) + 32 for i, k in enumerate(sizes)), (n, sizes)
+        if n >= 1024:
+            assert sizes[:3] == [64, 128, 256], (n, sizes)
+        assert min(sizes) >= min(n, _FIRST_GET_BATCH // 2), (n, sizes)
+        if n > 2 * _GET_BATCH:
+            assert sizes[-1] <= _GET_BATCH // 2, (n, sizes)
 
 
 def test_a_forked_child_reads_with_its_own_decode_threads(closing, redis_url: str) -> None:
