@@ -66,10 +66,12 @@ def _batch_sizes(n: int) -> list[int]:
     """How many of a read's ``n`` chunks each round trip asks for: growing from
     ``_FIRST_GET_BATCH`` to ``_GET_BATCH``, then halving what is left at the end (1503 chunks:
     64, 128, 256 x 4, 143, 72, 72). What is decoded after the last reply is that last batch and
-    whatever is still queued: a whole 256-chunk batch took 10 to 14 ms of a step's ~60 on 8
-    decode threads of an H200 host, other batches of its size 4 to 6 (docs/trainer.md)."""
+    whatever is still queued: a whole last 256-chunk batch took 10 to 15 ms of a step's ~60 on
+    8 decode threads of an H200 host, the batches of its size before it 4 to 7
+    (docs/trainer.md)."""
     sizes: list[int] = []
-    size, left, first = min(_FIRST_GET_BATCH, _GET_BATCH), n, _FIRST_GET_BATCH
+    size = first = min(_FIRST_GET_BATCH, _GET_BATCH)
+    left = n
     while left > 0:
         k = max(first, left // 2) if left < 2 * size else size
         if left - k < first // 2:  # no crumb of a batch left for a round trip of its own
@@ -197,7 +199,7 @@ def _get_many(
     # Records are assembled once every chunk is decoded, not as each one's chunks are: the
     # assembly is Python on this thread, and run during the last batches' decoding it held the
     # GIL that each decode call needs to hand back its chunks (on an H200 host, the first
-    # round of the last large batch's calls took 7 to 9 ms instead of 1 to 3).
+    # calls of the last large batch took 6 to 9 ms instead of 1 to 3.5).
     dec.wait()
     return assemble_read(plan, dec)
 
