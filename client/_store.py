@@ -75,8 +75,7 @@ def _batch_sizes(n: int) -> list[int]:
     while left > 0:
         k = max(first, left // 2) if left < 2 * size else size
         if left - k < first // 2:  # no crumb of a batch left for a round trip of its own
-            k = left
-        k = min(k, left)
+            k = left  # (also where ``first`` alone is more than is left)
         sizes.append(k)
         left -= k
         size = min(2 * size, _GET_BATCH)
