@@ -1,11 +1,11 @@
 """Route records, their binary format, the Redis layout and the HTTP client.
 
-This layer is light on purpose (numpy, msgpack, zstandard, redis, httpx): both the service and the
-trainer import it.
+This layer is light on purpose (numpy, msgpack, zstandard, blake3, redis, httpx; pure Python):
+both the service and the trainer import it.
 """
 
 from ._batch import BATCH_MEDIA_TYPE, RawBatch
-from ._codec import FORMAT_VERSION, MEDIA_TYPE, codec_kernel, decode_record, encode_record
+from ._codec import FORMAT_VERSION, MEDIA_TYPE, decode_record, encode_record
 from ._errors import (
     RouteConnectionError,
     RouteCorruptError,
@@ -20,17 +20,9 @@ from ._errors import (
     RouteVersionError,
 )
 from ._http import AsyncRoutesClient, RoutesClient
-from ._layout import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_TTL_S,
-    KeySchema,
-    PutResult,
-    StoredRecord,
-    batch_decoder,
-    validate_route_id,
-)
+from ._keys import DEFAULT_BLOCK_SIZE, DEFAULT_TTL_S, KeySchema, validate_route_id
+from ._layout import PutResult, StoredRecord
 from ._record import RouteRecord, WeightSpan, expert_dtype
-from ._rows import copy_row_runs
 from ._store import AsyncRouteStore, RouteStore
 from ._threads import default_decode_threads
 
@@ -61,9 +53,6 @@ __all__ = [
     "RoutesClient",
     "StoredRecord",
     "WeightSpan",
-    "batch_decoder",
-    "codec_kernel",
-    "copy_row_runs",
     "decode_record",
     "default_decode_threads",
     "encode_record",

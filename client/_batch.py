@@ -24,7 +24,6 @@ from ._record import RouteRecord
 
 __all__ = ["BATCH_MEDIA_TYPE", "RawBatch", "resolve_results"]
 
-# Version 2 of the batch body (version 1 carried decoded-and-re-encoded records).
 BATCH_MEDIA_TYPE = "application/vnd.routereplay.chunks+msgpack"
 
 # Wire codes of per-id errors (documented in docs/CONTRACTS.md).

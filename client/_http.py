@@ -26,7 +26,8 @@ from ._errors import (
     RouteNotFoundError,
     RouteServiceError,
 )
-from ._layout import finish_read, plan_read, validate_route_id
+from ._keys import validate_route_id
+from ._layout import finish_read, plan_read
 from ._record import RouteRecord
 
 __all__ = ["AsyncRoutesClient", "RoutesClient"]

@@ -26,16 +26,14 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry as SyncRetry
 
 from ._batch import RawBatch, resolve_results
+from ._chunks import ChunkDecoder
 from ._errors import (
     RouteConnectionError,
     RouteError,
     RouteStoreError,
 )
+from ._keys import DEFAULT_BLOCK_SIZE, DEFAULT_TTL_S, KeySchema, validate_route_id
 from ._layout import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_TTL_S,
-    ChunkDecoder,
-    KeySchema,
     PutPlan,
     PutResult,
     apply_fill,
@@ -43,7 +41,6 @@ from ._layout import (
     plan_fill,
     plan_put,
     plan_read,
-    validate_route_id,
 )
 from ._record import RouteRecord
 from ._threads import default_decode_threads
@@ -406,41 +403,6 @@ class RouteStore(_Common):
         with _redis_errors(self._where):
             return bool(self.redis.ping())
 
-    def claim(self, name: str, token: str, ttl_s: float) -> bool:
-        """Take the lease on ``name`` for ``ttl_s`` unless another holder has it (``SET NX PX``):
-        the same name claimed through any replica sharing this Redis is refused."""
-        with _redis_errors(self._where):
-            return bool(self.redis.set(self.keys.claim(name), token, nx=True, px=int(ttl_s * 1000)))
-
-    def release(self, name: str, token: str) -> bool:
-        """Give the lease back if ``token`` still holds it (a lapsed lease another writer took
-        is left alone)."""
-        with _redis_errors(self._where):
-            return bool(self.redis.eval(_RELEASE, 1, self.keys.claim(name), token))
-
-    def renew(self, name: str, token: str, ttl_s: float) -> bool:
-        """Extend the lease on ``name`` to ``ttl_s`` from now if ``token`` still holds it; False
-        when it lapsed (and maybe went to another holder)."""
-        with _redis_errors(self._where):
-            key = self.keys.claim(name)
-            return bool(self.redis.eval(_RENEW, 1, key, token, int(ttl_s * 1000)))
-
-    def delete_many(self, route_ids: Sequence[str]) -> int:
-        """Delete the manifests of ``route_ids``; returns how many existed."""
-        with _redis_errors(self._where):
-            return self._run_deletes([self._manifest_key(r) for r in route_ids])
-
-    def _run_deletes(self, keys: list[str]) -> int:
-        if not keys:
-            return 0
-        return sum(self._pipe([_cmd("delete", k) for k in keys]).execute())
-
-    def check_writable(self) -> None:
-        """Raise unless Redis takes a write now (a 10 s scratch key): PING answers while
-        ``maxmemory`` refuses every write, or a replica is read-only."""
-        with _redis_errors(self._where):
-            self.redis.set(self.keys.probe(), b"1", px=10_000)
-
     def close(self) -> None:
         self._close_pool()
         self.redis.close()
@@ -549,24 +511,27 @@ class AsyncRouteStore(_Common):
             return bool(await self.redis.ping())
 
     async def claim(self, name: str, token: str, ttl_s: float) -> bool:
-        """See :meth:`RouteStore.claim`."""
+        """Take the lease on ``name`` for ``ttl_s`` unless another holder has it (``SET NX PX``):
+        the same name claimed through any replica sharing this Redis is refused."""
         with _redis_errors(self._where):
             key = self.keys.claim(name)
             return bool(await self.redis.set(key, token, nx=True, px=int(ttl_s * 1000)))
 
     async def release(self, name: str, token: str) -> bool:
-        """See :meth:`RouteStore.release`."""
+        """Give the lease back if ``token`` still holds it (a lapsed lease another writer took
+        is left alone)."""
         with _redis_errors(self._where):
             return bool(await self.redis.eval(_RELEASE, 1, self.keys.claim(name), token))
 
     async def renew(self, name: str, token: str, ttl_s: float) -> bool:
-        """See :meth:`RouteStore.renew`."""
+        """Extend the lease on ``name`` to ``ttl_s`` from now if ``token`` still holds it; False
+        when it lapsed (and maybe went to another holder)."""
         with _redis_errors(self._where):
             key = self.keys.claim(name)
             return bool(await self.redis.eval(_RENEW, 1, key, token, int(ttl_s * 1000)))
 
     async def delete_many(self, route_ids: Sequence[str]) -> int:
-        """See :meth:`RouteStore.delete_many`."""
+        """Delete the manifests of ``route_ids``; returns how many existed."""
         keys = [self._manifest_key(r) for r in route_ids]
         if not keys:
             return 0
@@ -574,7 +539,8 @@ class AsyncRouteStore(_Common):
             return sum(await self._pipe([_cmd("delete", k) for k in keys]).execute())
 
     async def check_writable(self) -> None:
-        """See :meth:`RouteStore.check_writable`."""
+        """Raise unless Redis takes a write now (a 10 s scratch key): PING answers while
+        ``maxmemory`` refuses every write, or a replica is read-only."""
         with _redis_errors(self._where):
             await self.redis.set(self.keys.probe(), b"1", px=10_000)
 

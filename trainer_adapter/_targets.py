@@ -19,20 +19,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from routereplay.client import (
-    RouteRecord,
-    codec_kernel,
-    copy_row_runs,
-    default_decode_threads,
-    expert_dtype,
-)
+from routereplay.client import RouteRecord, default_decode_threads, expert_dtype
 
 from ._position_map import PositionMap
 from .errors import ReplayConfigError, RouteLayerMismatchError, TargetShapeError
-
-# The gather's row copies: the client's compiled kernel, without the GIL, where it is built;
-# else numpy (None: one concatenate per run of rows, fewer calls than a copy per chunk).
-_copy_runs = copy_row_runs if codec_kernel() == "compiled" else None
 
 if TYPE_CHECKING:
     import torch
@@ -380,7 +370,6 @@ def gather_targets(
 
         def copy(lo: int, hi: int) -> None:
             """Copy the rows of output positions ``lo..hi`` (cutting the runs there)."""
-            jobs: list[tuple[tuple[np.ndarray, ...], int, int, int, int, int, int]] = []
             i = bisect.bisect_right(spans, (lo, N)) - 1
             for s, e in spans[max(i, 0) :]:
                 s, e = max(s, lo), min(e, hi)
@@ -392,22 +381,7 @@ def gather_targets(
                 firsts, arrs = parts_of[ri]
                 t0, t1 = int(tok[s]), int(tok[s]) + (e - s)
                 routed[s:e] = records[ri].valid[t0:t1]
-                if _copy_runs is not None:  # copied below, all of this share in one call
-                    # One job per span and layer range, the record's chunks its source: the
-                    # kernel cuts it at their bounds (a job per chunk made a step's gather
-                    # 0.6 to 1.4 ms slower, here and on an H200 host: docs/trainer.md).
-                    for o, c0, n in cols_of[ri]:
-                        jobs.append((arrs, c0, n, t0, t1, o, s))
-                    continue
                 _copy_cuts(out, cols_of[ri], _cuts(firsts, arrs, t0, t1), s, e)
-            if jobs:
-                # It takes runs whose rows of a layer are contiguous (a store's chunks) and
-                # leaves the rest to numpy: a record built in memory (token-major rows), the
-                # strided views of token-order chunks the Python decode path returns.
-                for j in _copy_runs(out, jobs):
-                    arrs, c0, n, t0, t1, o, d = jobs[j]
-                    firsts = parts_of[int(rec[d])][0]
-                    _copy_cuts(out, [(o, c0, n)], _cuts(firsts, arrs, t0, t1), d, d + t1 - t0)
 
         _run_split(copy, N, out.nbytes)
     # Fillers: no route, or a row the record marks invalid (zeros there would pass for expert 0).

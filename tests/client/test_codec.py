@@ -163,7 +163,7 @@ def test_uniform_routes_compress_near_information_bound() -> None:
     st.integers(0, 2**32 - 1),
 )
 def test_sorting_network_sorts_like_numpy(k: int, n: int, dtype: type, seed: int) -> None:
-    from routereplay.client._codec import sort_rows
+    from routereplay.client._transforms import sort_rows
 
     a = np.random.default_rng(seed).integers(0, 6 if seed % 2 else 60000, (n, 3, k)).astype(dtype)
     assert np.array_equal(sort_rows(a), np.sort(a, axis=-1))

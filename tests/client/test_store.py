@@ -396,12 +396,12 @@ def test_chunk_under_another_chunks_key_is_detected(closing, store: RouteStore, 
     got = store.get_many([a, b, c], return_exceptions=True)
     assert got[0] == ra and got[2] == rc
     assert isinstance(got[1], RouteCorruptError) and b in str(got[1])
-    # The same with an old-format chunk (no chain in it): caught against the manifest instead.
-    from routereplay.client._codec import KIND_CHUNK, frame, unframe
+    # A chunk re-framed with another token chain (its checksum right) fails its address too.
+    from routereplay.client._frame import KIND_CHUNK, frame, unframe
 
-    p = unframe(raw.get(store.keys.chunk(ma.digests[0])), KIND_CHUNK, "x")
-    del p["pc"]
-    raw.set(victim, frame(KIND_CHUNK, p), keepttl=True)
+    p = bytearray(unframe(raw.get(store.keys.chunk(mb.digests[0])), KIND_CHUNK, "x"))
+    p[16:32] = bytes(16)  # the chain before the chunk (docs/CONTRACTS.md, "Chunk")
+    raw.set(victim, frame(KIND_CHUNK, bytes(p)), keepttl=True)
     with pytest.raises(RouteCorruptError, match="does not match its address"):
         store.get(b)
 

@@ -1,0 +1,343 @@
+"""A block's body: token ids, validity and expert rows, as one zstd frame (docs/CONTRACTS.md)::
+
+    token ids  uint32 LE [T] | valid  packbits [ceil(T / 8)] | rows (the row transform's bytes)
+
+Records hold one body, store chunks one each. Decoding checks every size against the header's
+fields before it trusts them; a body that fails names what is wrong (RouteCorruptError).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import zstandard
+
+from . import _transforms as X
+from ._errors import RouteCorruptError
+from ._record import expert_dtype
+from ._zstd import compress, zd
+
+# A zstd block holds at most 128 KiB and takes at least 4 bytes (an RLE block), so no frame
+# decompresses to more than 32768x its size: a larger claim is refused before it is allocated
+# (python-zstandard allocates what the frame header claims).
+_MAX_ZSTD_RATIO = 32768
+
+
+@dataclass(frozen=True)
+class BodyHead:
+    """The fields that say how to read a body: rows ``[M, T, K]`` of ids below ``E``, row
+    transform ``xf``, high-bit coding ``hp``, ``canonical`` rows, ``raw_len`` decompressed bytes."""
+
+    T: int
+    M: int
+    K: int
+    E: int
+    xf: int
+    hp: int
+    canonical: bool
+    raw_len: int
+
+    def check(self, what: str) -> None:
+        if min(self.T, self.M, self.K, self.raw_len) < 0 or not 1 <= self.E <= 65536:
+            raise RouteCorruptError(
+                f"{what}: size field out of range (T={self.T}, M={self.M}, K={self.K}, E={self.E})"
+            )
+        if self.xf not in X._TRANSFORMS:
+            raise RouteCorruptError(f"{what}: unknown row transform {self.xf}")
+        if self.hp not in (0, 1, 2, 3):
+            raise RouteCorruptError(f"{what}: high-bits field {self.hp!r} is not 0, 1, 2 or 3")
+        if self.hp and X._high_bit_limit(self.E, self.xf) is None:
+            raise RouteCorruptError(
+                f"{what}: packed high bits need 257 to 512 experts and the ids as values "
+                f"(E={self.E}, transform {self.xf})"
+            )
+        if self.hp == 3 and self.E > X._TRITS_MAX_E:
+            raise RouteCorruptError(
+                f"{what}: base-3 high digits need 257 to 384 experts (E={self.E})"
+            )
+
+
+class Block:
+    """Decoded body: ``token_ids`` [T] int64, ``experts`` layer-major [M, T, K], ``valid`` [T].
+
+    ``prev_chain``: for a store chunk, the token chain before its first row (what its content
+    address is computed from); None for whole records. ``chain``: the token chain after its
+    rows, once its address was checked. ``max_id``: the largest expert id in its rows (-1: none
+    or unknown). Not to be changed once built: the codec's and the store's readers share them.
+    A slots class: one is built per store chunk, ~1500 per training step's read.
+    """
+
+    __slots__ = ("canonical", "chain", "experts", "max_id", "prev_chain", "token_ids", "valid")
+
+    def __init__(
+        self,
+        token_ids: np.ndarray,
+        experts: np.ndarray,
+        valid: np.ndarray,
+        canonical: bool,
+        prev_chain: bytes | None = None,
+        chain: bytes | None = None,
+        max_id: int = -1,
+    ) -> None:
+        self.token_ids = token_ids
+        self.experts = experts
+        self.valid = valid
+        self.canonical = canonical
+        self.prev_chain = prev_chain
+        self.chain = chain
+        self.max_id = max_id
+
+    def __repr__(self) -> str:
+        return f"Block(T={self.token_ids.shape[0]}, experts={self.experts.shape})"
+
+
+# ---------------------------------------------------------------------------------------------
+# encode
+# ---------------------------------------------------------------------------------------------
+def _choose(
+    experts_lm: np.ndarray, per_layer: bool, canonical: bool, transform: int | None
+) -> tuple[int, tuple[np.ndarray, np.ndarray] | None]:
+    """(the row transform, the keep split where it was computed on the whole block)."""
+    T = experts_lm.shape[1]
+    candidates = [X.XF_PLAIN]
+    if T > 1:
+        candidates += [X.XF_DELTA, X.XF_KEEP]  # slots kept in place; kept slots + skewed new ids
+    if canonical:
+        candidates.append(X.XF_GAPS)  # sorted rows without locality
+    if transform is not None:
+        if transform not in (*candidates, X.XF_TOKENS):
+            raise ValueError(f"row transform {transform} does not apply to this block")
+        return transform, None
+    if not experts_lm.size or len(candidates) == 1:
+        return X.XF_PLAIN, None
+    # An order-0 entropy estimate on a sample: a good proxy for zstd's Huffman stage, which is
+    # what codes near-random symbols.
+    sample = X._sample_tokens(experts_lm)
+    est: dict[int, float] = {}
+    keep_split = None
+    for x in candidates:
+        if x == X.XF_KEEP:
+            split = X._keep_split(sample)
+            # A store chunk is its own sample: its split is kept for the encode.
+            keep_split = split if sample is experts_lm else None
+            est[x] = X._keep_cost(sample, per_layer, split)
+        else:
+            est[x] = X._transform_cost(x, sample, per_layer)
+    xf = min(est, key=est.__getitem__)
+    # Plain decodes fastest (zstd alone); a transform must save >= 1% to be worth its decode
+    # pass. On uniform routes every estimate is within sampling noise of plain.
+    if est[xf] > 0.99 * est[X.XF_PLAIN]:
+        return X.XF_PLAIN, None
+    return xf, keep_split if xf == X.XF_KEEP else None
+
+
+def _limit(num_experts: int, xf: int, lm: np.ndarray) -> int | None:
+    return X._high_bit_limit(num_experts, xf) if lm.dtype == np.uint16 else None
+
+
+def _tokens_wins(lm: np.ndarray, xf: int, num_experts: int) -> bool | None:
+    """Whether the token order beats ``xf`` on a trial sample by >= 3%; None where the block is
+    its own sample (the caller compares the whole bodies instead). Only for rows shorter than
+    zstd's minimum match (5 to 7 bytes): longer rows match within a layer, and what the token
+    order saves is zstd matches, which no order-0 estimate sees."""
+    trial = X._sample_tokens(lm, X._TRIAL)
+    if trial is lm:
+        return None
+    lim_t = _limit(num_experts, X.XF_TOKENS, lm)
+    tok = compress(X._row_segments(X.XF_TOKENS, trial, False, limit=lim_t)[0])
+    other = compress(X._row_segments(xf, trial, False, limit=_limit(num_experts, xf, lm))[0])
+    return len(tok) < 0.97 * len(other)
+
+
+def encode_body(
+    token_ids: np.ndarray,
+    experts_lm: np.ndarray,
+    valid: np.ndarray,
+    num_experts: int,
+    *,
+    canonical_order: bool = False,
+    presorted: bool = False,
+    transform: int | None = None,
+) -> tuple[BodyHead, bytes]:
+    """(the head, the zstd frame) of a block of rows; ``experts_lm`` is layer-major ``[M, T, K]``.
+
+    ``canonical_order`` stores rows in canonical form (:func:`canonicalize`); ``presorted``
+    says the caller already canonicalised them. ``transform`` forces a row transform (tests and
+    benchmarks); by default the smallest estimate wins.
+    """
+    M, T, K = experts_lm.shape
+    if canonical_order and not presorted:
+        experts_lm = X.canonicalize(experts_lm)
+    per_layer = M > 1 and T * K >= X._LAYER_BLOCK_MIN
+    xf, keep_split = _choose(experts_lm, per_layer, canonical_order, transform)
+    head = token_ids.astype("<u4", copy=False).tobytes() + np.packbits(valid).tobytes()
+    whole_trial = False
+    if transform is None and T > 1 and experts_lm.size and K * experts_lm.itemsize < 8:
+        wins = _tokens_wins(experts_lm, xf, num_experts)
+        whole_trial = wins is None
+        if wins:
+            xf = X.XF_TOKENS
+    lim = _limit(num_experts, xf, experts_lm)
+    rows, hp = X._row_segments(xf, experts_lm, per_layer, keep_split, lim)
+    segments = [head, *rows]
+    body = compress(segments)
+    if whole_trial:  # a small block: both bodies compressed whole, the smaller kept
+        lim_t = _limit(num_experts, X.XF_TOKENS, experts_lm)
+        alt_rows, alt_hp = X._row_segments(X.XF_TOKENS, experts_lm, False, limit=lim_t)
+        alt_body = compress([head, *alt_rows])
+        if len(alt_body) < 0.97 * len(body):
+            xf, segments, body, hp = X.XF_TOKENS, [head, *alt_rows], alt_body, alt_hp
+    raw = sum(len(x) for x in segments)
+    return BodyHead(T, M, K, num_experts, xf, hp, canonical_order, raw), body
+
+
+# ---------------------------------------------------------------------------------------------
+# decode
+# ---------------------------------------------------------------------------------------------
+def decompress(head: BodyHead, body: bytes | memoryview, what: str) -> bytes:
+    if head.raw_len > _MAX_ZSTD_RATIO * len(body):
+        raise RouteCorruptError(
+            f"{what}: a {len(body)}-byte compressed body cannot hold the {head.raw_len} bytes "
+            "its header claims"
+        )
+    try:
+        raw = zd().decompress(body, max_output_size=head.raw_len)
+    except zstandard.ZstdError as exc:
+        raise RouteCorruptError(f"{what}: compressed body is corrupted: {exc}") from exc
+    except MemoryError as exc:  # a claim within that ratio, still too large for this host
+        raise RouteCorruptError(
+            f"{what}: cannot allocate the {head.raw_len} bytes its header claims"
+        ) from exc
+    if len(raw) != head.raw_len:
+        raise RouteCorruptError(f"{what}: body holds {len(raw)} bytes, header says {head.raw_len}")
+    return raw
+
+
+class Parsed:
+    """A decompressed body, checked, before its rows are joined: ``lm`` the layer-major rows
+    where they need no join, else ``mask`` and ``values`` for :func:`X.keep_join` (uint8 ids,
+    which a batch joins at once)."""
+
+    __slots__ = ("head", "lm", "mask", "token_ids", "valid", "values")
+
+    def __init__(self, head: BodyHead, token_ids: np.ndarray, valid: np.ndarray) -> None:
+        self.head = head
+        self.token_ids = token_ids
+        self.valid = valid
+        self.lm: np.ndarray | None = None
+        self.mask: np.ndarray | None = None
+        self.values: np.ndarray | None = None
+
+
+def parse_body(head: BodyHead, raw: bytes, what: str) -> Parsed:
+    """Check a decompressed body's sizes against ``head`` and split it (see :class:`Parsed`)."""
+    T, M, K, xf = head.T, head.M, head.K, head.xf
+    mv = memoryview(raw)
+    vb = (T + 7) // 8
+    if head.raw_len < 4 * T + vb:
+        raise RouteCorruptError(f"{what}: body size {head.raw_len} too small for {T} tokens")
+    p = Parsed(
+        head,
+        np.frombuffer(mv[: 4 * T], dtype="<u4").astype(np.int64),
+        np.unpackbits(np.frombuffer(mv[4 * T : 4 * T + vb], np.uint8), count=T).view(bool),
+    )
+    rows = mv[4 * T + vb :]
+    if xf == X.XF_KEEP:
+        _parse_keep(p, rows, what)
+    else:
+        p.lm = _join_values(head, rows, M * T * K, (M, T, K), None, what)
+    return p
+
+
+def _parse_keep(p: Parsed, rows: memoryview, what: str) -> None:
+    h = p.head
+    M, T, K = h.M, h.T, h.K
+    n = M * T * K
+    mb = (n + 7) // 8
+    if len(rows) < mb:
+        raise RouteCorruptError(f"{what}: body size {h.raw_len} too small for its change bits")
+    mask = np.frombuffer(rows[:mb], np.uint8)
+    n_values = int(X._POP[mask].sum())
+    # Every stream's first token must carry an id: its bit is set (else the join would read
+    # another stream's id).
+    first = np.arange(M * K, dtype=np.int64) * T
+    if n and not ((mask[first >> 3] >> (7 - (first & 7)).astype(np.uint8)) & 1).all():
+        raise RouteCorruptError(f"{what}: change bits leave a stream without its first id")
+    if n % 8 and mask[-1] & ((1 << (8 - n % 8)) - 1):
+        raise RouteCorruptError(f"{what}: change bits set past the last row")
+    groups = (mask, K * T, M) if h.hp == 2 else None
+    values = _join_values(h, rows[mb:], n_values, (n_values,), groups, what)
+    if not n:
+        p.lm = np.empty((M, T, K), values.dtype)
+    elif values.dtype == np.uint8 and n % 8 == 0:
+        p.mask, p.values = mask, values  # joined by the caller, with the rest of its batch
+    else:
+        p.lm = X.keep_join(mask, values, (1, M, T, K))[0]
+
+
+def _join_values(
+    h: BodyHead,
+    data: memoryview,
+    n: int,
+    shape: tuple[int, ...],
+    groups: tuple[np.ndarray | None, int, int] | None,
+    what: str,
+) -> np.ndarray:
+    """``n`` ids (``shape``) from the rest of a body, which they must fill exactly."""
+    dtype = expert_dtype(h.E)
+    limit = X._high_bit_limit(h.E, h.xf) if h.hp else None
+    if dtype.itemsize == 1 or limit is None:
+        size = n * dtype.itemsize
+    elif h.hp == 3:
+        size = n + (n + 4) // 5
+    else:
+        size, n_hi = X._split_high(data, n, limit, what, h.hp)
+    if len(data) != size:
+        raise RouteCorruptError(
+            f"{what}: body size {h.raw_len} does not match T={h.T}, M={h.M}, K={h.K}, E={h.E}"
+        )
+    if limit is None:
+        return X._join_planes(data, shape, dtype)
+    if h.hp == 3:
+        return X._join_trits(data, shape, what)
+    if h.hp == 2 and groups is None:  # layer-major rows group by layer; token order is one group
+        groups = (None, n, 1) if h.xf == X.XF_TOKENS else (None, h.T * h.K, h.M)
+    return X._join_high(data, shape, limit, n_hi, groups if h.hp == 2 else None)
+
+
+def invert(head: BodyHead, lm: np.ndarray) -> np.ndarray:
+    """Layer-major rows ``[M, T, K]`` from the joined values of ``head``'s row transform."""
+    if head.xf == X.XF_TOKENS:  # stored [T, M, K]: a strided layer-major view, no copy
+        return lm.reshape(head.T, head.M, head.K).transpose(1, 0, 2)
+    if head.xf == X.XF_DELTA:
+        return np.cumsum(lm, axis=1, dtype=lm.dtype)
+    if head.xf == X.XF_GAPS:
+        return X._ungaps(lm)
+    return lm
+
+
+def join_parsed(parsed: list[Parsed]) -> list[np.ndarray]:
+    """Layer-major rows of each parsed body; bodies waiting for a keep join are joined together,
+    one call per shape."""
+    out: list[np.ndarray | None] = [p.lm for p in parsed]
+    by_shape: dict[tuple[int, int, int], list[int]] = {}
+    for i, p in enumerate(parsed):
+        if p.lm is None:
+            by_shape.setdefault((p.head.M, p.head.T, p.head.K), []).append(i)
+    for shape, idx in by_shape.items():
+        ps = [parsed[i] for i in idx]
+        masks = np.concatenate([p.mask for p in ps]) if len(ps) > 1 else ps[0].mask
+        values = np.concatenate([p.values for p in ps]) if len(ps) > 1 else ps[0].values
+        joined = X.keep_join(masks, values, (len(ps), *shape))  # type: ignore[arg-type]
+        for i, rows in zip(idx, joined, strict=True):
+            out[i] = rows
+    return [invert(p.head, lm) for p, lm in zip(parsed, out, strict=True)]  # type: ignore[arg-type]
+
+
+def decode_body(head: BodyHead, body: bytes | memoryview, what: str) -> Block:
+    """One body decoded and checked (records; the store decodes chunks in batches)."""
+    head.check(what)
+    p = parse_body(head, decompress(head, body, what), what)
+    (lm,) = join_parsed([p])
+    return Block(p.token_ids, lm, p.valid, head.canonical)

@@ -1,6 +1,0 @@
-/* blake3_avx2.c compiled for avx2 whatever the build's flags (one build serves every x86-64 CPU;
- * blake3_dispatch.c picks the widest the CPU has at run time). Empty elsewhere. */
-#if defined(__x86_64__) || defined(_M_X64)
-#pragma GCC target("avx2")
-#include "blake3_avx2.c"
-#endif
