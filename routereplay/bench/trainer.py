@@ -152,7 +152,7 @@ def run(url: str, args) -> dict:
     import torch
 
     from routereplay.bench.store import vllm_inline
-    from routereplay.client import RouteRecord, RouteStore, batch_decoder, codec_kernel
+    from routereplay.client import RouteRecord, RouteStore
     from routereplay.trainer_adapter import (
         ReplayTargets,
         TargetBuffers,
@@ -335,8 +335,6 @@ def run(url: str, args) -> dict:
         "layers": args.layers,
         "experts": args.experts,
         "top_k": args.topk,
-        "codec_kernel": codec_kernel(),
-        "batch_decoder": batch_decoder() or "compiled",
         "raw_mb": n_tokens * args.layers * args.topk * t.element_size() / 1e6,
         "put_s": put_s,
         "fetch_decode_s": fetch_s,
@@ -482,7 +480,7 @@ def _step_overhead(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="routereplay bench trainer", description=__doc__)
     p.add_argument("--tokens", type=int, default=262_144, help="global batch tokens")
     p.add_argument("--layers", type=int, default=48, help="MoE layers")
@@ -536,15 +534,24 @@ def main(argv: list[str] | None = None) -> int:
                 f"--step-device {args.step_device!r}: expected cpu or an available CUDA device "
                 f"(torch sees {torch.cuda.device_count()} GPUs)"
             )
+    return args
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Run the benchmark on ``args`` (from :func:`parse_args`); returns its results."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     if args.redis_url:
-        res = run(args.redis_url, args)
-    else:
-        from routereplay.local_redis import redis_server
+        return run(args.redis_url, args)
+    from routereplay.local_redis import redis_server
 
-        with redis_server() as url:
-            res = run(url, args)
+    with redis_server() as url:
+        return run(url, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    res = measure(args)
     n = res["tokens"]
     print(
         f"routereplay bench trainer: {n} tokens in {res['records']} records "
@@ -577,10 +584,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"  ratios (same run), {th} decode threads: peer / ours = {res['peer_over_ours']:.2f}x "
-        f"(target >= 3), ours / floor = {res['ours_over_floor']:.2f}x (target <= 2); one decode "
-        f"thread: {res['peer_over_ours_one_thread']:.2f}x, "
-        f"{res['ours_one_thread_over_floor']:.2f}x  [{res['cpus']} CPUs, codec kernel: "
-        f"{res['codec_kernel']}, batch decoder: {res['batch_decoder']}]"
+        f"(target >= 3), ours / floor = {res['ours_over_floor']:.2f}x; one decode thread: "
+        f"{res['peer_over_ours_one_thread']:.2f}x (target >= 2), "
+        f"{res['ours_one_thread_over_floor']:.2f}x  [{res['cpus']} CPUs]"
     )
     if res["cpu_ours_redis_s"] is not None:
         line = (

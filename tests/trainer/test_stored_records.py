@@ -1,5 +1,6 @@
 """Records read from a store stay their chunks until their rows are asked for; gather_targets
-copies from the chunks. Read through the store's own read path (plan_put's bytes, read_records),
+copies from the chunks. Read through the store's own read path (plan_put's bytes, plan_read and
+finish_read),
 without Redis: the layout code is the same one RouteStore runs."""
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from routereplay.client import RouteCorruptError, RouteRecord
-from routereplay.client._layout import KeySchema, StoredRecord, plan_put, read_records
+from routereplay.client._keys import KeySchema
+from routereplay.client._layout import StoredRecord, finish_read, plan_put, plan_read
 from routereplay.trainer_adapter import (
     TargetBuffers,
     gather_targets,
@@ -41,7 +43,7 @@ def _record(rng, tokens, prompt_len=0) -> RouteRecord:
 
 
 def _stored(records, block_size, start=0):
-    """``records`` written with ``plan_put`` and read back with ``read_records``."""
+    """``records`` written with ``plan_put`` and read back through ``plan_read``."""
     keys = KeySchema("t")
     ids, manifests, chunks = [], [], {}
     for i, r in enumerate(records):
@@ -50,7 +52,7 @@ def _stored(records, block_size, start=0):
         manifests.append(plan.manifest_blob)
         for j, key in enumerate(plan.chunk_keys):
             chunks[bytes.fromhex(key.split("{")[1].rstrip("}"))] = plan.chunk_blob(j)
-    return read_records(ids, manifests, chunks, start)
+    return finish_read(plan_read(ids, manifests, start), chunks)
 
 
 def _plain(s: StoredRecord) -> RouteRecord:
@@ -110,11 +112,6 @@ def _gather_from_chunks_equals_gather_from_joined_rows(lens, block, cp, tp, laye
             with mock.patch.object(_targets, "_SPLIT_BYTES", 1 << 62):
                 one = gather_targets(loc, plain, layers)
             np.testing.assert_array_equal(got.experts, one.experts)
-            # And to numpy's copies (the compiled copy_runs took the chunks above).
-            with mock.patch.object(_targets, "_copy_runs", None):
-                ref = gather_targets(loc, stored, layers)
-            np.testing.assert_array_equal(got.experts, ref.experts)
-            np.testing.assert_array_equal(got.valid, ref.valid)
     # The gathers read the chunks: no record was joined.
     for s, r in zip(stored, recs, strict=True):
         assert s._parts is not None and len(s._parts) == -(-r.num_tokens // block)
@@ -212,10 +209,9 @@ def test_threads_joining_one_record_at_once_all_get_its_rows() -> None:
 
 
 def test_chunks_stored_in_token_order_gather_the_same_targets() -> None:
-    """Chunks in format 3's token order decode to strided layer-major views on the Python path
-    (the batch decoder writes them layer-major); the gather copies from those views exactly as
-    from contiguous ones."""
-    from routereplay.client import _codec, _layout
+    """Chunks in the token order decode to strided layer-major views; the gather copies from
+    those views exactly as from contiguous ones."""
+    from routereplay.client import _frame, _transforms
 
     rng = np.random.default_rng(21)
     recs = []
@@ -226,12 +222,10 @@ def test_chunks_stored_in_token_order_gather_the_same_targets() -> None:
                                 moe_layers=MOE, num_layers=L, num_experts=E))  # fmt: skip
     keys = KeySchema("t")
     plan = plan_put(keys, "r0", recs[0], 64)
-    assert _codec.unframe(plan.chunk_blob(0), _codec.KIND_CHUNK, "c")["xf"] == _codec.XF_TOKENS
-    with mock.patch.object(_layout, "_BATCH", None):
-        stored = _stored(recs, 64)
+    payload = _frame.unframe(plan.chunk_blob(0), _frame.KIND_CHUNK, "c")
+    assert payload[12] == _transforms.XF_TOKENS  # the chunk header's xf (docs/CONTRACTS.md)
+    stored = _stored(recs, 64)
     assert not stored[0].layer_major_parts()[0][1].flags.c_contiguous  # strided views
-    batch = _stored(recs, 64)
-    assert batch[0].layer_major_parts()[0][1].flags.c_contiguous
     plain = [_plain(s) for s in stored]
     cu = np.concatenate([[0], np.cumsum([r.num_tokens for r in recs])])
     cup = np.concatenate([[0], np.cumsum([304, 172])])
@@ -241,90 +235,4 @@ def test_chunks_stored_in_token_order_gather_the_same_targets() -> None:
         loc = pm.local(cp_size=2, cp_rank=c, tp_size=1, tp_rank=0, cu_seqlens_padded=cup)
         got = gather_targets(loc, stored, (2, 4))
         np.testing.assert_array_equal(got.experts, gather_targets(loc, plain, (2, 4)).experts)
-        np.testing.assert_array_equal(got.experts, gather_targets(loc, batch, (2, 4)).experts)
-    assert stored == recs == batch
-
-
-def test_the_compiled_copy_takes_store_chunks_and_checks_every_job() -> None:
-    copy_runs = _targets._copy_runs
-    assert copy_runs is not None  # setup.sh builds the kernel; else the tests above prove less
-    rng = np.random.default_rng(9)
-    recs = [_record(rng, rng.integers(0, 999, n)) for n in (70, 33)]
-    stored = _stored(recs, 16)
-    cu = np.concatenate([[0], np.cumsum([r.num_tokens for r in recs])])
-    pm = thd_position_map([sample_from_record(i, r) for i, r in enumerate(recs)], cu)
-    calls = []
-
-    def spy(out, jobs):
-        skipped = copy_runs(out, jobs)
-        calls.append((len(jobs), len(skipped)))
-        return skipped
-
-    with mock.patch.object(_targets, "_copy_runs", spy):
-        got = gather_targets(pm, stored, (1, 4))  # two layer runs: (1,) and (4,)
-        # Per layer run, a job per record (its chunks, cut by the kernel), all copied.
-        assert calls == [(2 * 2, 0)]
-        calls.clear()
-        # Token-major rows (a record built in memory): skipped, numpy copies them.
-        want = gather_targets(pm, recs, (1, 4))
-        assert calls == [(2 * 2, 2 * 2)]
-    np.testing.assert_array_equal(got.experts, want.experts)
-
-    src = np.arange(2 * 4 * K, dtype=np.uint8).reshape(2, 4, K)
-    out = np.zeros((3, 10, K), np.uint8)
-    assert copy_runs(out, [(src, 1, 1, 1, 3, 2, 5)]) == []  # src[1, 1:3] -> out[2, 5:7]
-    np.testing.assert_array_equal(out[2, 5:7], src[1, 1:3])
-    assert out.sum() == src[1, 1:3].sum()
-    before = out.copy()
-    other = [(src.transpose(1, 0, 2), 0, 1, 0, 1, 0, 0),  # rows of a layer not contiguous
-             (src.astype(np.uint16), 0, 1, 0, 1, 0, 0)]  # another id width  # fmt: skip
-    assert copy_runs(out, [other[0], (src, 0, 1, 0, 1, 0, 0), other[1]]) == [0, 2]
-    np.testing.assert_array_equal(out[0, 0], src[0, 0])  # the one it took
-    out[0, 0] = before[0, 0]
-    bad = [
-        (src, 1, 2, 0, 1, 0, 0),  # layers past the source
-        (src, 0, 1, 3, 5, 0, 0),  # rows past the source
-        (src, 0, 1, 0, 2, 2, 9),  # positions past out
-        (src, 0, 2, 0, 1, 2, 0),  # layers past out
-        (src, 0, 1, 2, 1, 0, 0),  # rows backwards
-        (src, 2**62, 2**62, 0, 1, 0, 0),  # sums that would overflow
-        (src, 0, 1, 0, 1, 2**62, 0),
-        (src, 0, 1, 0, 1, 0, 2**62),
-    ]
-    for job in bad:
-        with pytest.raises(ValueError, match="copy_runs: job 1 does not fit"):
-            copy_runs(out, [(src, 0, 1, 0, 1, 0, 0), job])
-        np.testing.assert_array_equal(out, before)  # checked before anything is copied
-    # A record's chunks as one source: rows x..y of the record, cut at the parts' bounds.
-    parts = tuple(np.arange(i * 100, i * 100 + 2 * n * K, dtype=np.uint8).reshape(2, n, K)
-                  for i, n in enumerate((3, 4, 2)))  # rows 0-2, 3-6, 7-8  # fmt: skip
-    whole = np.concatenate(parts, axis=1)
-    for x, y in [(0, 9), (1, 8), (3, 7), (4, 5), (2, 3), (5, 5)]:
-        out = np.zeros((3, 10, K), np.uint8)
-        assert copy_runs(out, [(parts, 1, 1, x, y, 2, 1)]) == []
-        want_out = np.zeros_like(out)
-        want_out[2, 1 : 1 + y - x] = whole[1, x:y]
-        np.testing.assert_array_equal(out, want_out)
-    out = np.zeros((3, 10, K), np.uint8)
-    # A part it cannot take (token-major) skips the whole job; the other is copied.
-    mixed = (parts[0], parts[1].transpose(1, 0, 2).copy().transpose(1, 0, 2), parts[2])
-    assert copy_runs(out, [(mixed, 0, 1, 0, 9, 0, 0), (parts, 0, 2, 0, 9, 0, 0)]) == [0]
-    np.testing.assert_array_equal(out[:2, :9], whole)
-    before = out.copy()
-    for job in [
-        (parts, 0, 1, 0, 10, 0, 0),  # rows past the parts
-        (parts, 1, 2, 0, 9, 0, 0),  # layers past the parts
-        ((), 0, 1, 0, 1, 0, 0),  # no parts, a row asked for
-    ]:
-        with pytest.raises(ValueError, match="copy_runs: job 1"):
-            copy_runs(out, [(parts, 0, 1, 0, 1, 0, 0), job])
-        np.testing.assert_array_equal(out, before)
-    assert copy_runs(out, [((), 0, 1, 0, 0, 0, 0)]) == []  # no rows from no parts: nothing
-    out = before.copy()
-    from routereplay.client import _ckernel, _rows
-
-    with pytest.raises(ValueError, match="not \\[M, N, K\\]"):
-        _ckernel.copy_runs(out, [], 7, K, 1)
-    with mock.patch.object(_rows, "_copy_runs", None):  # no kernel: every run to the caller
-        assert copy_runs(out, [(src, 0, 1, 0, 1, 0, 0)] * 3) == [0, 1, 2]
-    np.testing.assert_array_equal(out, before)
+    assert stored == recs

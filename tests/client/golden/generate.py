@@ -1,0 +1,135 @@
+"""How tests/client/golden/format1.msgpack was written (route format 1). Never regenerate it
+for a format change: the file is what readers must keep reading (tests/client/test_golden.py).
+
+Contents: whole-record blobs, and a store's manifests and chunks for a GRPO group sharing a
+prompt (uint8 ids, a weight update inside one sample) and for records of 384 experts (uint16
+ids), with chunks re-encoded under every row transform and high-bit layout; beside each, the
+rows it must decode to.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import msgpack
+import numpy as np
+
+from routereplay.bench.store import skewed_routes, uniform_routes
+from routereplay.client import RouteRecord, encode_record
+from routereplay.client import _transforms as X
+from routereplay.client._body import encode_body
+from routereplay.client._chunks import chunk_blob
+from routereplay.client._keys import KeySchema
+from routereplay.client._layout import plan_put
+
+
+def _arr(a: np.ndarray) -> dict:
+    return {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.tobytes()}
+
+
+def _expect(r: RouteRecord) -> dict:
+    return {
+        "token_ids": _arr(r.token_ids), "experts": _arr(r.experts), "valid": _arr(r.valid),
+        "moe_layers": list(r.moe_layers), "num_layers": r.num_layers,
+        "num_experts": r.num_experts, "prompt_len": r.prompt_len,
+        "num_cached_tokens": r.num_cached_tokens, "model": r.model, "metadata": r.metadata,
+        "weight_versions": [list(s) for s in r.weight_versions],
+    }  # fmt: skip
+
+
+def _record(experts: np.ndarray, tokens: np.ndarray, E: int, **kw) -> RouteRecord:
+    valid = np.ones(len(tokens), bool)
+    valid[-1] = False
+    ex = experts.copy()
+    ex[-1] = 0
+    M = experts.shape[1]
+    return RouteRecord(token_ids=tokens, experts=ex, valid=valid, moe_layers=tuple(range(1, M + 1)),
+                       num_layers=M + 1, num_experts=E, model="golden", **kw)  # fmt: skip
+
+
+def records() -> dict[str, RouteRecord]:
+    rng = np.random.default_rng(20261127)
+    prompt = rng.integers(0, 50_000, 300)
+    out = {}
+    for i, n in enumerate((200, 90, 170)):  # a GRPO group: one prompt, three completions
+        tok = np.concatenate([prompt, rng.integers(0, 50_000, n)])
+        ex = skewed_routes(rng, len(tok), 4, 128, 8)
+        ex[:300] = out["grpo-0"].experts[:300] if i else ex[:300]  # the prompt routed alike
+        wv = (("v1", 0, 350), ("v2", 350, len(tok))) if i == 1 else (("v1", 0, len(tok)),)
+        out[f"grpo-{i}"] = _record(ex, tok, 128, prompt_len=300, num_cached_tokens=256,
+                                   weight_versions=wv, metadata={"sample": i})  # fmt: skip
+    tok = rng.integers(0, 50_000, 260)
+    out["wide-skewed"] = _record(skewed_routes(rng, 260, 3, 384, 4), tok, 384)
+    out["wide-uniform"] = _record(uniform_routes(rng, 260, 3, 384, 4), tok, 384)
+    out["wide-500"] = _record(uniform_routes(rng, 140, 2, 500, 2), tok[:140], 500)
+    table = np.argsort(rng.random((20, 6, 128)), axis=2)[:, :, :2].astype(np.uint8)
+    rep = rng.integers(0, 20, 256)
+    out["tokens-order"] = _record(table[rep], rep, 128)
+    return out
+
+
+# Chunks re-encoded under a forced row transform (and high-bit layout), so that the file holds
+# every way format 1 writes rows, whatever the writer's heuristics choose for these routes.
+FORCED = {
+    "grpo-0": [X.XF_PLAIN, X.XF_DELTA, X.XF_KEEP],
+    "wide-uniform": [X.XF_PLAIN, X.XF_DELTA, X.XF_TOKENS],
+    "wide-500": [X.XF_GAPS],
+}
+
+
+def store_blobs(recs: dict[str, RouteRecord]) -> tuple[dict, dict]:
+    keys = KeySchema("golden")
+    manifests: dict[str, bytes] = {}
+    chunks: dict[bytes, bytes] = {}
+    for rid, r in recs.items():
+        plan = plan_put(keys, rid, r, 128, canonical_order=rid == "wide-500")
+        manifests[rid] = plan.manifest_blob
+        for i, key in enumerate(plan.chunk_keys):
+            digest = bytes.fromhex(key.split("{")[1].rstrip("}"))
+            blob = plan.chunk_blob(i)
+            forced = FORCED.get(rid, [])
+            if i < len(forced):
+                a, b = plan.spans[i]
+                head, body = encode_body(
+                    r.token_ids[a:b], plan.block_rows[i], r.valid[a:b], r.num_experts,
+                    canonical_order=plan.canonical, presorted=True, transform=forced[i],
+                )  # fmt: skip
+                blob = chunk_blob(head, body, plan.prev_chains[i])
+            chunks.setdefault(digest, blob)
+    return manifests, chunks
+
+
+def main(path: str) -> None:
+    recs = records()
+    # The high-bit layouts forced per record as the writer's thresholds allow.
+    with_grouped = {
+        "wide-skewed": (X, "_GROUPED_GAIN", 10.0),
+        "wide-uniform": (X, "_TRITS_GAIN", 2.0),
+    }
+    blobs = {}
+    manifests: dict[str, bytes] = {}
+    chunks: dict[bytes, bytes] = {}
+    for rid in recs:
+        mod, name, value = with_grouped.get(rid, (X, "_GROUPED_GAIN", X._GROUPED_GAIN))
+        old = getattr(mod, name)
+        setattr(mod, name, value)
+        try:
+            blobs[rid] = encode_record(recs[rid], canonical_order=rid == "wide-500")
+            m, c = store_blobs({rid: recs[rid]})
+        finally:
+            setattr(mod, name, old)
+        manifests.update(m)
+        for d, b in c.items():
+            chunks.setdefault(d, b)
+    doc = {
+        "records": blobs,
+        "manifests": manifests,
+        "chunks": chunks,
+        "expect": {rid: _expect(r) for rid, r in recs.items()},
+    }
+    Path(path).write_bytes(msgpack.packb(doc, use_bin_type=True))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).with_name("format1.msgpack")))
