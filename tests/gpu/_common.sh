@@ -11,8 +11,7 @@ install_wheels() {
 
 # stage_package [full]: lay out routereplay under /tmp/rr: the client without its network modules
 # (they need redis and httpx; the checks round-trip records through the codec instead), the
-# trainer adapter and the experiments. "full": the whole client and the benchmarks, with the
-# codec's C kernel compiled where gcc and Python's headers exist.
+# trainer adapter and the experiments. "full": the whole client and the benchmarks.
 stage_package() {
   rm -rf /tmp/rr && mkdir -p /tmp/rr/routereplay/client
   cp routereplay/*.py /tmp/rr/routereplay/
@@ -20,33 +19,16 @@ stage_package() {
   cp -r trainer_adapter /tmp/rr/routereplay/trainer_adapter
   if [ "${1:-}" = full ]; then
     cp -r routereplay/bench /tmp/rr/routereplay/bench
-    cp client/*.py client/*.c /tmp/rr/routereplay/client/
-    local inc so
-    inc=$(${PY:-python3} -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
-    so=$(${PY:-python3} -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-    gcc -O3 -shared -fPIC -I"$inc" client/_ckernel.c -o "/tmp/rr/routereplay/client/_ckernel$so" \
-      || echo "no C kernel built: the codec decodes with numpy"
-    gcc -O3 -shared -fPIC -I"$inc" client/_cbatch.c client/_vendor/blake2/blake2b-ref.c \
-      client/_vendor/blake3/{blake3,blake3_dispatch,blake3_portable,x86_sse2,x86_sse41,x86_avx2,x86_avx512,arm_neon}.c \
-      -ldl -o "/tmp/rr/routereplay/client/_cbatch$so" \
-      || echo "no batch decoder built: store reads decode chunks in Python"
-    # The batch decoder loads the system's libzstd; where the host has none, the copy that
-    # carry_redis.sh brought for redis-server (.device/redis/lib) serves.
-    if ! ${PY:-python3} -c 'import ctypes; ctypes.CDLL("libzstd.so.1")' 2>/dev/null \
-      && [ -e .device/redis/lib/libzstd.so.1 ]; then
-      mkdir -p /tmp/rr/lib && cp .device/redis/lib/libzstd.so.1 /tmp/rr/lib/
-      export LD_LIBRARY_PATH="/tmp/rr/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    fi
+    cp client/*.py /tmp/rr/routereplay/client/
     return 0
   fi
-  cp client/_errors.py client/_record.py client/_codec.py client/_threads.py client/_rows.py \
-    /tmp/rr/routereplay/client/
+  cp client/_errors.py client/_record.py client/_codec.py client/_threads.py client/_frame.py \
+    client/_body.py client/_transforms.py client/_zstd.py /tmp/rr/routereplay/client/
   cat > /tmp/rr/routereplay/client/__init__.py <<'PY'
 """routereplay.client (the GPU subset: records and their codec)."""
-from ._codec import codec_kernel, decode_record, encode_record  # noqa: F401
+from ._codec import decode_record, encode_record  # noqa: F401
 from ._errors import *  # noqa: F403
 from ._record import RouteRecord, WeightSpan, expert_dtype  # noqa: F401
-from ._rows import copy_row_runs  # noqa: F401
 from ._threads import default_decode_threads  # noqa: F401
 PY
 }

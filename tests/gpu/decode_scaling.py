@@ -1,8 +1,7 @@
 """How chunk decoding scales with threads on this host: zstd alone against the whole chunk
-decode (msgpack, zstd, rows, the blake3 address check; what RouteStore's decode threads run), by
-the compiled batch decoder and by the Python path, and get_many, on bench trainer's default
-batch (1530 distinct chunks). Prints one line per thread count (DIAG_THREADS, default
-"1 2 4 8 16"). Diagnostic: run by tests/gpu/run_bench_host.sh."""
+decode (headers, zstd, rows, the blake3 address check; what RouteStore's decode threads run),
+and get_many, on bench trainer's default batch (~1500 distinct chunks). Prints one line per
+thread count (DIAG_THREADS, default "1 2 4 8 16"). Run by tests/gpu/run_bench_host.sh."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ import zstandard
 
 from routereplay.bench.trainer import _make_records
 from routereplay.client import RouteStore
-from routereplay.client._codec import KIND_CHUNK, unframe
-from routereplay.client._layout import _decode_chunks, _decode_one, batch_decoder
+from routereplay.client._chunks import _HEAD, decode_chunks
 from routereplay.local_redis import redis_server
 
 
@@ -41,11 +39,6 @@ def zstd_only(items: list[tuple[bytes, int]]) -> None:
         d.decompress(body, max_output_size=n)
 
 
-def py_decode(items: list[tuple[bytes, bytes]]) -> None:
-    for d, b in items:
-        _decode_one(d, b)
-
-
 def copy_split(pool: ThreadPoolExecutor, n: int, src: np.ndarray, dst: np.ndarray | None) -> None:
     out = np.empty_like(src) if dst is None else dst
     k = -(-src.size // n)
@@ -65,23 +58,22 @@ def main() -> None:
             store.put(i, r)
         chunks = [(d, b) for d, b in store.get_raw(ids).chunks.items() if b]
         bodies = []
-        for d, b in chunks:
-            p = unframe(b, KIND_CHUNK, d.hex(), check_crc=False)
-            bodies.append((p["body"], p["raw"]))
+        for _, b in chunks:
+            f = _HEAD.unpack_from(b)
+            raw_len, body_len = f[-2], f[-1]
+            bodies.append((b[_HEAD.size : _HEAD.size + body_len], raw_len))
         out_mb = sum(n for _, n in bodies) / 1e6
         floor = best(lambda: store.get_raw(ids))
         src = np.ones(103_000_000, np.uint8)
         dst = np.empty_like(src)
         print(f"{len(chunks)} chunks, {out_mb:.0f} MB decoded, {os.cpu_count()} CPUs; "
-              f"floor (get_raw) {floor:.4f} s; batch decoder: "
-              f"{batch_decoder() or 'yes'}")  # fmt: skip
+              f"floor (get_raw) {floor:.4f} s")  # fmt: skip
         for n in threads:
             with ThreadPoolExecutor(n) as pool:
                 zs = split(bodies, n * 4)
                 tz = best(lambda zs=zs: list(pool.map(zstd_only, zs)))
                 cs = split(chunks, n * 4)
-                td = best(lambda cs=cs: list(pool.map(_decode_chunks, cs)))
-                tp = best(lambda cs=cs: list(pool.map(py_decode, cs)))
+                td = best(lambda cs=cs: list(pool.map(decode_chunks, cs)))
                 # The host's copy bandwidth: a step's targets (103 MB) copied into fresh pages
                 # and into reused ones, split among the threads as gather_targets splits them.
                 tc = best(lambda n=n, pool=pool: copy_split(pool, n, src, None))
@@ -90,7 +82,7 @@ def main() -> None:
             tg = best(lambda s=s: s.get_many(ids))
             s.close()
             print(f"threads {n:2d}: zstd alone {tz:.4f} s ({out_mb / 1e3 / tz:.2f} GB/s)   "
-                  f"chunk decode {td:.4f} s (Python path {tp:.4f} s)   "
+                  f"chunk decode {td:.4f} s   "
                   f"get_many {tg:.4f} s   copy 103 MB: fresh {tc:.4f} s, reused {tr:.4f} s "
                   f"({src.nbytes / 1e9 / tr:.1f} GB/s)")  # fmt: skip
         store.close()

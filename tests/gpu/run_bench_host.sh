@@ -5,8 +5,7 @@
 # one; ROUTES names the workloads, default skewed); tests/gpu/decode_scaling.py (how the chunk
 # decode scales with threads); and the codec part of `bench store`. Nothing there is installed: carried wheels in .device/wheels
 # (zstandard, blake3, redis, hiredis for its Python), a redis-server with its shared libraries in
-# .device/redis (copied from this machine: tests/gpu/carry_redis.sh), and the C kernel built
-# there with its gcc when it has one (else the numpy fallback, which `bench` prints).
+# .device/redis (copied from this machine: tests/gpu/carry_redis.sh),.
 # DEV=cpu SKIP_INSTALL=1 PY=.venv/bin/python rehearses it here.
 set -u -o pipefail  # a failing benchmark fails the run, through tee
 export PYTHONUNBUFFERED=1
@@ -19,7 +18,6 @@ stage_package full
 [ -x .device/redis/redis-server ] && export PATH="$PWD/.device/redis:$PATH"
 export PYTHONPATH=/tmp/rr:/tmp/site
 nproc
-$PY -P -c 'import routereplay.client as c; print("codec kernel:", c.codec_kernel(), "/ batch decoder:", c.batch_decoder() or "yes")'
 fail=0
 if [ "$(command -v nvidia-smi)" ]; then
   $PY -P tests/gpu/pinned_check.py | tee "$OUT/pinned-check.txt" || fail=1
