@@ -82,3 +82,26 @@ def test_every_package_is_in_the_wheel() -> None:
             rel = init.parent.relative_to(ROOT / d).parts
             found.add(".".join((pkg, *rel)))
     assert found == set(cfg["packages"]), found ^ set(cfg["packages"])
+
+
+def test_the_wheel_is_pure_python(tmp_path) -> None:
+    """One implementation, in Python: the wheel the standard build backend makes is
+    ``py3-none-any`` and holds no compiled module or C source, and the repository holds no C."""
+    import zipfile
+
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(ROOT)],
+        check=True,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("*.whl")
+    assert wheel.name.endswith("-py3-none-any.whl"), wheel.name
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "routereplay/client/_chunks.py" in names
+    native = [n for n in names if n.endswith((".so", ".pyd", ".c", ".h", ".pyx"))]
+    assert not native, native
+    tracked = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "*.c", "*.h", "*.cc", "*.cpp", "*.pyx"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    assert not tracked, tracked
