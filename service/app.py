@@ -17,7 +17,7 @@ from fastapi import FastAPI
 
 from routereplay.client import AsyncRouteStore
 
-from .auth import KeyRing, principal
+from .auth import KeyRing
 from .engine import EngineBackend
 from .errors import install_error_handlers, redact
 from .http_limits import BodySizeLimit
@@ -148,7 +148,7 @@ def create_app(
         summary="OpenAI-compatible vLLM front end that stores every completion's routed experts.",
         version=_version(),
         lifespan=lifespan,
-        # Served below behind the API keys, like every endpoint but /health.
+        # Served by routers/docs.py behind the API keys, like every endpoint but /health.
         openapi_url=None,
         docs_url=None,
         redoc_url=None,
@@ -161,22 +161,7 @@ def create_app(
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
     for router in ROUTERS:
         app.include_router(router)
-    _add_docs(app)
     return app
-
-
-def _add_docs(app: FastAPI) -> None:
-    from fastapi import Depends
-    from fastapi.openapi.docs import get_swagger_ui_html
-    from fastapi.responses import HTMLResponse, JSONResponse
-
-    @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(principal)])
-    async def openapi() -> JSONResponse:
-        return JSONResponse(app.openapi())
-
-    @app.get("/docs", include_in_schema=False, dependencies=[Depends(principal)])
-    async def docs() -> HTMLResponse:
-        return get_swagger_ui_html(openapi_url="/openapi.json", title="routereplay")
 
 
 def _version() -> str:

@@ -8,10 +8,18 @@
   -> ``serving.routes`` (ServingRoutes)
 - ``probes``: ``GET /health``, ``GET /ready``, ``GET /metrics`` (a few lines each, inline)
 - ``rl``: vLLM's RL control API (admin keys) -> ``serving.rl`` (ServingRL)
+- ``docs``: ``GET /openapi.json``, ``GET /docs`` (Swagger UI), behind the API keys
 """
 
-from . import completions, models, probes, rl, routes
+from . import completions, docs, models, probes, rl, routes
 
-ROUTERS = [completions.router, models.router, routes.router, probes.router, rl.router]
+ROUTERS = [
+    completions.router,
+    models.router,
+    routes.router,
+    probes.router,
+    rl.router,
+    docs.router,
+]
 
 __all__ = ["ROUTERS"]

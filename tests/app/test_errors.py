@@ -292,3 +292,15 @@ async def test_openapi_documents_bodies_parameters_and_errors(svc: App) -> None:
     assert "ErrorResponse" in spec["components"]["schemas"]
     err = spec["components"]["schemas"]["ErrorBody"]["properties"]["code"]
     assert err["type"] == "string"
+
+
+async def test_docs_serve_the_apps_own_schema(svc: App) -> None:
+    """/openapi.json is the app's schema (without the two description endpoints themselves) and
+    /docs is a Swagger UI that loads it."""
+    r = await svc.http.get("/openapi.json")
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    assert r.json() == svc.app.openapi()
+    assert not {"/openapi.json", "/docs"} & set(r.json()["paths"])
+    r = await svc.http.get("/docs")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert "swagger-ui" in r.text and "url: '/openapi.json'" in r.text
