@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from routereplay.bench.servers import engine_env, server_process
 from routereplay.client import RouteStore
+from routereplay.local_redis import free_port
 from routereplay.service.tiny_model import ensure_tiny_model
-
-from ._procs import engine_env, free_port, process, serve_argv
 
 MODEL_NAME = "tiny-qwen3-moe-moe"
 
@@ -62,11 +63,12 @@ def start_service(
     """A ``routereplay serve`` of the tiny model (its own engine) on a free port."""
     port = free_port()
     log = log_dir / "serve.log"
-    argv = serve_argv(
-        "--port", str(port), "--redis-url", redis_url, "--model-dir", str(tiny_model.parent),
+    argv = [
+        sys.executable, "-m", "routereplay.cli", "serve", "--port", str(port),
+        "--redis-url", redis_url, "--model-dir", str(tiny_model.parent),
         "--max-model-len", "2048", "--log-level", "warning", *flags,
-    )  # fmt: skip
-    with process(argv, f"http://127.0.0.1:{port}/ready", log, engine_env()) as proc:
+    ]  # fmt: skip
+    with server_process(argv, f"http://127.0.0.1:{port}/ready", log, engine_env()) as proc:
         url = f"http://127.0.0.1:{port}"
         yield Service(url, MODEL_NAME, tiny_model, redis_url, log), proc
 

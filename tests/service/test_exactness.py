@@ -11,9 +11,9 @@ import httpx
 import numpy as np
 import pytest
 
+from routereplay.bench.servers import engine_env
 from routereplay.client import decode_record
 
-from ._procs import engine_env
 from .conftest import Service
 
 pytestmark = pytest.mark.vllm

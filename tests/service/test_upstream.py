@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +18,9 @@ import numpy as np
 import openai
 import pytest
 
+from routereplay.bench.servers import engine_env, server_process, stop_process
 from routereplay.client import decode_record
-
-from ._procs import engine_env, free_port, process, serve_argv, stop, vllm_serve_argv
+from routereplay.local_redis import free_port
 
 pytestmark = pytest.mark.vllm
 
@@ -27,6 +28,17 @@ pytestmark = pytest.mark.vllm
 # vLLM is started with --api-key; the front sends it (--upstream-api-key).
 UPSTREAM_KEY = "upstream-key-" + "u" * 20
 UPSTREAM_AUTH = {"Authorization": f"Bearer {UPSTREAM_KEY}"}
+
+
+def vllm_serve_argv(model: str, port: int, *flags: str) -> list[str]:
+    # float32, eager, seeded: one request gives the same routes twice, so the routes the front
+    # stored can be compared with those the upstream returns inline for the same request.
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+        "--max-model-len", "2048", "--enforce-eager", "--gpu-memory-utilization", "0.5",
+        "--seed", "0", "--enable-return-routed-experts", "--enable-prefix-caching", *flags,
+    ]  # fmt: skip
 
 
 class Upstream:
@@ -53,12 +65,12 @@ class Upstream:
         )  # fmt: skip
         log = self.log_dir / f"vllm-{self.starts}.log"
         # /v1/* needs the key; /health does not.
-        self._cm = process(argv, f"{self.url}/health", log, engine_env())
+        self._cm = server_process(argv, f"{self.url}/health", log, engine_env())
         self.proc = self._cm.__enter__()
 
     def kill(self) -> None:
         if self.proc is not None:
-            stop(self.proc)
+            stop_process(self.proc)
 
     def close(self) -> None:
         if self._cm is not None:
@@ -88,12 +100,13 @@ def front_server(
 ) -> Iterator[str]:
     port = free_port()
     log = tmp_path_factory.mktemp("front") / "serve.log"
-    argv = serve_argv(
-        "--backend", "upstream", "--upstream-url", upstream_server.url, "--port", str(port),
+    argv = [
+        sys.executable, "-m", "routereplay.cli", "serve", "--backend", "upstream",
+        "--upstream-url", upstream_server.url, "--port", str(port),
         "--redis-url", redis_url, "--route-prefix", "up", "--log-level", "warning",
-    )  # fmt: skip
+    ]  # fmt: skip
     env = engine_env(ROUTEREPLAY_UPSTREAM_API_KEY=UPSTREAM_KEY)
-    with process(argv, f"http://127.0.0.1:{port}/ready", log, env):
+    with server_process(argv, f"http://127.0.0.1:{port}/ready", log, env):
         yield f"http://127.0.0.1:{port}"
 
 

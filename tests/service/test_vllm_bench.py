@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from routereplay.bench.servers import engine_env
 from routereplay.client import RouteStore
 
-from ._procs import engine_env
 from .conftest import Service
 
 pytestmark = pytest.mark.vllm
