@@ -16,7 +16,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "routereplay.service.cli:build_model_main",
         "build the tiny deterministic Qwen3-MoE model used by the embedded default",
     ),
-    "bench": ("routereplay.cli:_bench_main", "benchmarks: store | service | trainer | routes"),
+    "bench": (
+        "routereplay.cli:_bench_main",
+        "benchmarks: store | service | trainer | routes | scale",
+    ),
     "experiment": ("routereplay.cli:_experiment_main", "experiments: rl-loop | mismatch"),
     "loadtest": (
         "routereplay.bench.loadtest:main",
@@ -34,6 +37,7 @@ _BENCHES: dict[str, str] = {
     "service": "routereplay.bench.service:main",
     "trainer": "routereplay.bench.trainer:main",
     "routes": "routereplay.bench.routes:main",
+    "scale": "routereplay.bench.scale:main",
 }
 
 
