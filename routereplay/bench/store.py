@@ -258,7 +258,7 @@ def bench_sizes_and_speed(rng: np.random.Generator, T: int, repeat: int) -> None
         " bytes of the same [T, M, K] array / our route bytes; 'enc x', 'dec x' = our speed /"
         " plain zstd's (our decode includes the crc32 check, the row transform and, for plain"
         " rows, a copy out of zstd's read-only output; records are token-major views of"
-        " layer-major rows). Decode runs the codec's C loop where built (codec_kernel())."
+        " layer-major rows)."
     )
 
 
