@@ -252,13 +252,25 @@ def parse_body(head: BodyHead, raw: bytes, what: str) -> Parsed:
 
 def _parse_keep(p: Parsed, rows: memoryview, what: str) -> None:
     h = p.head
-    M, T, K = h.M, h.T, h.K
-    n = M * T * K
+    n = h.M * h.T * h.K
     mb = (n + 7) // 8
     if len(rows) < mb:
         raise RouteCorruptError(f"{what}: body size {h.raw_len} too small for its change bits")
     mask = np.frombuffer(rows[:mb], np.uint8)
-    n_values = int(X._POP[mask].sum())
+    if h.E <= 256 and n % 8 == 0:
+        # uint8 ids, whole mask bytes: joined, and checked, with the rest of the caller's batch
+        # (check_keep names a block the batch check refuses).
+        p.mask, p.values = mask, np.frombuffer(rows[mb:], np.uint8)
+        return
+    values = check_keep(p, mask, rows[mb:], what)
+    p.lm = X.keep_join(mask, values, (1, h.M, h.T, h.K), np.array([values.size]))[0]
+
+
+def check_keep(p: Parsed, mask: np.ndarray, data: memoryview, what: str) -> np.ndarray:
+    """The ids of a ``keep`` body after its change bits ``mask``, every size and bit checked."""
+    h = p.head
+    M, T, K = h.M, h.T, h.K
+    n = M * T * K
     # Every stream's first token must carry an id: its bit is set (else the join would read
     # another stream's id).
     first = np.arange(M * K, dtype=np.int64) * T
@@ -266,14 +278,9 @@ def _parse_keep(p: Parsed, rows: memoryview, what: str) -> None:
         raise RouteCorruptError(f"{what}: change bits leave a stream without its first id")
     if n % 8 and mask[-1] & ((1 << (8 - n % 8)) - 1):
         raise RouteCorruptError(f"{what}: change bits set past the last row")
+    n_values = int(X._POP[mask].sum())
     groups = (mask, K * T, M) if h.hp == 2 else None
-    values = _join_values(h, rows[mb:], n_values, (n_values,), groups, what)
-    if not n:
-        p.lm = np.empty((M, T, K), values.dtype)
-    elif values.dtype == np.uint8 and n % 8 == 0:
-        p.mask, p.values = mask, values  # joined by the caller, with the rest of its batch
-    else:
-        p.lm = X.keep_join(mask, values, (1, M, T, K))[0]
+    return _join_values(h, data, n_values, (n_values,), groups, what)
 
 
 def _join_values(
@@ -317,27 +324,45 @@ def invert(head: BodyHead, lm: np.ndarray) -> np.ndarray:
     return lm
 
 
-def join_parsed(parsed: list[Parsed]) -> list[np.ndarray]:
-    """Layer-major rows of each parsed body; bodies waiting for a keep join are joined together,
-    one call per shape."""
-    out: list[np.ndarray | None] = [p.lm for p in parsed]
+def join_parsed(parsed: list[Parsed], whats: list[str]) -> list[np.ndarray | RouteCorruptError]:
+    """Layer-major rows of each parsed body, or its error; bodies waiting for a keep join are
+    joined (and checked) together, one call per shape."""
+    out: list[np.ndarray | RouteCorruptError | None] = [p.lm for p in parsed]
     by_shape: dict[tuple[int, int, int], list[int]] = {}
     for i, p in enumerate(parsed):
         if p.lm is None:
             by_shape.setdefault((p.head.M, p.head.T, p.head.K), []).append(i)
     for shape, idx in by_shape.items():
         ps = [parsed[i] for i in idx]
-        masks = np.concatenate([p.mask for p in ps]) if len(ps) > 1 else ps[0].mask
-        values = np.concatenate([p.values for p in ps]) if len(ps) > 1 else ps[0].values
-        joined = X.keep_join(masks, values, (len(ps), *shape))  # type: ignore[arg-type]
-        for i, rows in zip(idx, joined, strict=True):
-            out[i] = rows
-    return [invert(p.head, lm) for p, lm in zip(parsed, out, strict=True)]  # type: ignore[arg-type]
+        joined = X.keep_join(
+            np.concatenate([p.mask for p in ps]),  # type: ignore[misc]
+            np.concatenate([p.values for p in ps]),  # type: ignore[misc]
+            (len(ps), *shape),
+            np.array([p.values.size for p in ps]),  # type: ignore[union-attr]
+        )
+        for j, i in enumerate(idx):
+            out[i] = joined[j] if joined is not None else _join_one(parsed[i], whats[i])
+    return [
+        x if isinstance(x, RouteCorruptError) else invert(p.head, x)
+        for p, x in zip(parsed, out, strict=True)
+    ]  # type: ignore[arg-type]
+
+
+def _join_one(p: Parsed, what: str) -> np.ndarray | RouteCorruptError:
+    """A keep body its batch's check refused, checked alone: its rows, or what is wrong."""
+    try:
+        values = check_keep(p, p.mask, memoryview(p.values), what)  # type: ignore[arg-type]
+    except RouteCorruptError as exc:
+        return exc
+    h = p.head
+    return X.keep_join(p.mask, values, (1, h.M, h.T, h.K), np.array([values.size]))[0]  # type: ignore[index]
 
 
 def decode_body(head: BodyHead, body: bytes | memoryview, what: str) -> Block:
     """One body decoded and checked (records; the store decodes chunks in batches)."""
     head.check(what)
     p = parse_body(head, decompress(head, body, what), what)
-    (lm,) = join_parsed([p])
+    (lm,) = join_parsed([p], [what])
+    if isinstance(lm, RouteCorruptError):
+        raise lm
     return Block(p.token_ids, lm, p.valid, head.canonical)

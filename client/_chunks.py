@@ -142,10 +142,12 @@ def decode_chunks(items: Sequence[tuple[bytes, bytes | None]]) -> list[Block | R
             out[i] = _named(None, blob, exc, what)
         except RouteError as exc:
             out[i] = exc
-    rows = join_parsed([p.parsed for _, p in pending])
-    for (i, p), lm in zip(pending, rows, strict=True):
-        what = f"chunk {p.digest.hex()}"
+    whats = [f"chunk {p.digest.hex()}" for _, p in pending]
+    rows = join_parsed([p.parsed for _, p in pending], whats)
+    for (i, p), lm, what in zip(pending, rows, whats, strict=True):
         try:
+            if isinstance(lm, RouteCorruptError):
+                raise lm
             out[i] = _finish(p, lm, what)
         except RouteCorruptError as exc:
             out[i] = _named(p, b"", exc, what)

@@ -325,24 +325,30 @@ def _keep_split(lm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 _POP = np.array([bin(b).count("1") for b in range(256)], dtype=np.int32)
 
 
-def keep_join(masks: np.ndarray, values: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+def keep_join(
+    masks: np.ndarray, values: np.ndarray, shape: tuple[int, ...], lengths: np.ndarray
+) -> np.ndarray | None:
     """Inverse of :func:`_keep_split` for ``G`` blocks at once: ``masks`` their change bits one
     after another (``G`` x ``M * K * T`` bits, no padding between blocks), ``values`` their
-    changed ids one after another; returns ``[G, M, T, K]`` (``shape``), C-contiguous.
+    changed ids one after another (``lengths[g]`` of block g); returns ``[G, M, T, K]``
+    (``shape``), C-contiguous, or None where a block's bits do not count its ids exactly or
+    leave a stream without its first id (the caller then checks each block to name it).
 
     Position i of a stream takes ``values[rank(i) - 1]``, ``rank`` the count of set bits up to
     i: numpy has no "last changed id" scan, so it is an unpack, a prefix count and a gather over
     the whole batch (one call each instead of one per chunk: a training step's read has ~1500
-    chunks). The caller has checked that the bits count the values exactly and that every
-    stream starts with a set bit."""
+    chunks)."""
     G, M, T, K = shape
     bits = np.unpackbits(masks, count=G * M * T * K).reshape(G * M * K, T)
+    if not bits.size:
+        return np.empty(shape, values.dtype) if not lengths.any() else None
     # The rank within each stream fits a byte for streams of up to 255 tokens (store chunks);
     # the stream's first value's index is added after, into intp: numpy's take converts any
     # other index dtype first, which cost more than the gather itself.
-    small = T < 256
-    local = np.cumsum(bits, axis=1, dtype=np.uint8 if small else np.intp)
-    counts = local[:, -1].astype(np.intp) if T else np.zeros(len(local), np.intp)
+    local = np.cumsum(bits, axis=1, dtype=np.uint8 if T < 256 else np.intp)
+    counts = local[:, -1].astype(np.intp)
+    if not bits[:, 0].all() or not np.array_equal(counts.reshape(G, -1).sum(axis=1), lengths):
+        return None
     base = np.cumsum(counts)
     base -= counts
     base -= 1

@@ -231,12 +231,27 @@ def test_a_batch_keep_join_equals_joins_block_by_block(
         assert values.dtype == dt and values.size == changed.sum()
     masks = np.packbits(np.concatenate([c.reshape(-1) for c, _ in splits]))
     values = np.concatenate([v for _, v in splits])
-    batch = X.keep_join(masks, values, (G, M, T, K))
-    assert batch.shape == (G, M, T, K) and batch.dtype == dt and batch.flags.c_contiguous
+    lengths = np.array([v.size for _, v in splits])
+    batch = X.keep_join(masks, values, (G, M, T, K), lengths)
+    assert (
+        batch is not None
+        and batch.shape == (G, M, T, K)
+        and batch.dtype == dt
+        and batch.flags.c_contiguous
+    )
     for g, ((changed, vals), b) in enumerate(zip(splits, blocks, strict=True)):
-        one = X.keep_join(np.packbits(changed.reshape(-1)), vals, (1, M, T, K))[0]
+        one = X.keep_join(np.packbits(changed.reshape(-1)), vals, (1, M, T, K), lengths[g : g + 1])
+        assert one is not None
+        one = one[0]
         assert np.array_equal(one, b), g
         assert np.array_equal(batch[g], one), g
+    # Bits that count more or fewer ids than a block has, or a stream without its first id:
+    # the batch is refused (None), for its caller to check block by block.
+    assert X.keep_join(masks, values, (G, M, T, K), lengths + np.eye(G, dtype=int)[0]) is None
+    if M * K * T:
+        bad = np.unpackbits(masks)
+        bad[0] = 0  # block 0's first stream loses its first id
+        assert X.keep_join(np.packbits(bad), values, (G, M, T, K), lengths) is None
 
 
 def test_store_chunks_of_one_shape_are_keep_joined_in_one_call() -> None:
@@ -515,6 +530,16 @@ def test_crafted_keep_bodies_are_corrupt_errors() -> None:
     _decode_fails(*short, "does not match")
     extra = _forge_keep(bytes([0b1100_1000]), bytes([3, 5]), T, M, K, E)
     _decode_fails(*extra, "does not match")
+    # In one batch with good chunks of their shape (joined together): each bad one fails,
+    # named, and the good ones decode.
+    rows = np.array([[[3, 5]] * 4], np.uint8)
+    good = _chunk(np.zeros(4, np.int64), rows, np.ones(4, bool), *ok)
+    bad = [(bytes(16), chunk_blob(*b, _SEED)) for b in (no_first, short, extra)]
+    got = decode_chunks([good, *bad, good])
+    assert np.array_equal(got[0].experts, rows) and np.array_equal(got[4].experts, rows)
+    messages = ["without its first id", "does not match", "does not match"]
+    for g, message in zip(got[1:4], messages, strict=True):
+        assert isinstance(g, RouteCorruptError) and message in str(g), g
     T = 3  # 6 bits used: the last two must be clear
     pad = _forge_keep(bytes([0b1001_0001]), bytes([3, 5, 7]), T, M, K, E)
     _decode_fails(*pad, "change bits set past the last row")
