@@ -342,10 +342,12 @@ def keep_join(
     bits = np.unpackbits(masks, count=G * M * T * K).reshape(G * M * K, T)
     if not bits.size:
         return np.empty(shape, values.dtype) if not lengths.any() else None
-    # The rank within each stream fits a byte for streams of up to 255 tokens (store chunks);
-    # the stream's first value's index is added after, into intp: numpy's take converts any
-    # other index dtype first, which cost more than the gather itself.
-    local = np.cumsum(bits, axis=1, dtype=np.uint8 if T < 256 else np.intp)
+    # The rank within each stream fits a byte for streams of up to 255 tokens (store chunks),
+    # two up to 65535 (whole records); the stream's first value's index is added after, into
+    # intp: numpy's take converts any other index dtype first, which cost more than the gather.
+    local = np.cumsum(
+        bits, axis=1, dtype=np.uint8 if T < 256 else np.uint16 if T < 65536 else np.intp
+    )
     counts = local[:, -1].astype(np.intp)
     if not bits[:, 0].all() or not np.array_equal(counts.reshape(G, -1).sum(axis=1), lengths):
         return None
