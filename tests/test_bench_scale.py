@@ -26,7 +26,8 @@ def test_bench_scale_tiny() -> None:
             assert r["verified_records"] == 3 * r["writers"]
             assert r["verified_tokens_read"] == r["verified_tokens_written"] > 0
             for key in ("write_tokens_per_s", "read_tokens_per_s", "stored_bytes_per_token",
-                        "write_over_floor", "read_over_floor", "cores_busy"):  # fmt: skip
+                        "write_over_floor", "read_over_floor", "cores_busy",
+                        "client_cpu_us_per_token", "redis_cpu_us_per_token"):  # fmt: skip
                 assert r[key] > 0, key
             # Records of 52 to 75 tokens span 4 or 5 chunks of 16; a group's 40-token prompt
             # fills 2 of them, stored once for its 3 samples: 4 fewer chunks per group.

@@ -24,7 +24,6 @@ import json
 import multiprocessing as mp
 import queue
 import subprocess
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -114,16 +113,23 @@ def record_digest(rec: Any) -> bytes:
 # ---------------------------------------------------------------------------------------------
 # the processes (top-level functions: the forkserver and spawn contexts import them by name)
 # ---------------------------------------------------------------------------------------------
-def _report(role: str, index: int, barrier: Any, results: Any, body: Callable[[], dict]) -> None:
-    """Run a process's body; send its result, or its traceback, to the parent. A failure
-    breaks the start barrier, so no one waits for this process to arrive."""
+def _report(role: str, index: int, results: Any, body: Callable[[], dict]) -> None:
+    """Run a process's body; send its result, or its traceback, to the parent."""
     try:
         out = body()
     except BaseException:
         results.put({"role": role, "index": index, "error": traceback.format_exc()})
-        barrier.abort()
         return
     results.put({"role": role, "index": index, **out})
+
+
+def _ready_set_go(role: str, index: int, results: Any, start: Any, timeout_s: float) -> None:
+    """Tell the parent this process is ready, then wait for its start signal: the parent
+    starts every process's clock at once, and sees a process that died before it was ready
+    (where waiting on a barrier would wait for it until the timeout)."""
+    results.put({"role": role, "index": index, "ready": True})
+    if not start.wait(timeout_s):
+        raise TimeoutError(f"{role} {index}: no start signal within {timeout_s} s")
 
 
 def _store(url: str, prefix: str, block_size: int, decode_threads: int | None) -> Any:
@@ -136,7 +142,7 @@ def _store(url: str, prefix: str, block_size: int, decode_threads: int | None) -
 
 def writer_process(
     url: str, prefix: str, work: Workload, pool: list[np.ndarray], index: int, verify_every: int,
-    barrier: Any, handoff: Any, results: Any, timeout_s: float,
+    start: Any, handoff: Any, results: Any, timeout_s: float,
 ) -> None:  # fmt: skip
     """Generate this writer's groups, wait for everyone, then put them one after another and
     hand each finished group's ids (and the sample's digests) to the readers."""
@@ -151,12 +157,12 @@ def writer_process(
                 k += 1
         store = _store(url, prefix, work.block_size, None)
         try:
-            barrier.wait(timeout_s)
+            _ready_set_go("writer", index, results, start, timeout_s)
             return _put_groups(store, groups, sample, handoff)
         finally:
             store.close()
 
-    _report("writer", index, barrier, results, body)
+    _report("writer", index, results, body)
 
 
 def _put_groups(
@@ -181,7 +187,7 @@ def _put_groups(
 
 def reader_process(
     url: str, prefix: str, block_size: int, decode_threads: int | None, step_groups: int,
-    index: int, barrier: Any, handoff: Any, results: Any, timeout_s: float,
+    index: int, start: Any, handoff: Any, results: Any, timeout_s: float,
 ) -> None:  # fmt: skip
     """Read finished groups, ``step_groups`` per ``get_many`` (fewer at the end), until the
     parent's ``None``; check the sampled records against the writers' digests."""
@@ -189,12 +195,12 @@ def reader_process(
     def body() -> dict[str, Any]:
         store = _store(url, prefix, block_size, decode_threads)
         try:
-            barrier.wait(timeout_s)
+            _ready_set_go("reader", index, results, start, timeout_s)
             return _read_steps(store, step_groups, handoff, index, timeout_s)
         finally:
             store.close()
 
-    _report("reader", index, barrier, results, body)
+    _report("reader", index, results, body)
 
 
 def _read_steps(
@@ -277,29 +283,25 @@ def run_row(
     """``writers`` writer processes and their readers against the cluster at ``url``."""
     ctx = _context()
     readers = writers * args.readers_per_writer
-    barrier = ctx.Barrier(writers + readers + 1)
+    start = ctx.Event()
     handoff, results = ctx.Queue(), ctx.Queue()
     prefix = f"scale{row}"
     procs = [
         ctx.Process(target=writer_process, args=(url, prefix, work, pool, i, args.verify_every,
-                    barrier, handoff, results, args.timeout_s))
+                    start, handoff, results, args.timeout_s))
         for i in range(writers)
     ] + [
         ctx.Process(target=reader_process, args=(url, prefix, work.block_size,
-                    args.decode_threads, args.step_groups, i, barrier, handoff, results,
+                    args.decode_threads, args.step_groups, i, start, handoff, results,
                     args.timeout_s))
         for i in range(readers)
     ]  # fmt: skip
     deadline = time.monotonic() + args.timeout_s
     with _cluster_client(url) as client, _running(procs):
+        _collect(results, writers + readers, procs, deadline)  # every one is ready
         cpu0 = _redis_cpu_s(client)
-        try:
-            barrier.wait(args.timeout_s)
-        except threading.BrokenBarrierError:
-            # A process failed before the start: raise its traceback rather than this.
-            _collect(results, writers + readers, procs, time.monotonic() + 10.0)
-            raise
         t0 = time.monotonic()
+        start.set()
         w = _collect(results, writers, procs, deadline)
         for _ in range(readers):
             handoff.put(None)
@@ -371,6 +373,8 @@ def summarise_row(
         "chunks_written": chunks, "chunk_bytes": sum(x["chunk_bytes"] for x in w),
         "client_cpu_s": client_cpu, "redis_cpu_s": redis_cpu,
         "cores_busy": (client_cpu + (redis_cpu or 0.0)) / wall,
+        "client_cpu_us_per_token": client_cpu / tokens * 1e6,
+        "redis_cpu_us_per_token": None if redis_cpu is None else redis_cpu / tokens * 1e6,
         **{k: sum(x[k] for x in r) for k in
            ("verified_records", "verified_tokens_written", "verified_tokens_read")},
     }  # fmt: skip
@@ -543,6 +547,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _row_line(r: dict) -> str:
+    redis_us = r["redis_cpu_us_per_token"]
+    cpu = f"{r['client_cpu_us_per_token']:.1f}+" + ("?" if redis_us is None else f"{redis_us:.1f}")
+    return (
+        f"{r['shape']:14s} {r['writers']:2d} {r['readers']:2d} {r['tokens_written']:8d} "
+        f"{r['stored_bytes_per_token']:8.1f} {r['write_tokens_per_s']:12,.0f} "
+        f"{r['write_over_floor']:7.2f}x {r['read_tokens_per_s']:12,.0f} "
+        f"{r['read_over_floor']:7.2f}x {r['cores_busy']:6.2f} {cpu:>13s} "
+        f"{r['verified_records']:8d}"
+    )
+
+
+def _floor_line(f: dict, bytes_per_token: float) -> str:
+    b = bytes_per_token
+    return (
+        f"{'  floor':14s} redis-benchmark -d {f['value_bytes']}: SET "
+        f"{f['set_bytes_per_s'] / 1e6:,.0f} MB/s ({f['set_bytes_per_s'] / b:,.0f} tok/s), GET "
+        f"{f['get_bytes_per_s'] / 1e6:,.0f} MB/s ({f['get_bytes_per_s'] / b:,.0f} tok/s at "
+        f"{b:.1f} B/token), {f['get_hit_fraction']:.1%} of GETs hit"
+    )
+
+
 def _print_table(res: dict) -> None:
     pr = res["params"]
     print(
@@ -553,33 +579,20 @@ def _print_table(res: dict) -> None:
     )
     print(
         f"{'shape':14s} {'W':>2s} {'R':>2s} {'tokens':>8s} {'B/token':>8s} {'write tok/s':>12s} "
-        f"{'x floor':>8s} {'read tok/s':>12s} {'x floor':>8s} {'cores':>6s} {'redis':>6s} "
-        f"{'checked':>8s}"
+        f"{'x floor':>8s} {'read tok/s':>12s} {'x floor':>8s} {'cores':>6s} "
+        f"{'CPU us/token':>13s} {'checked':>8s}"
     )
     for shape in res["shapes"]:
         for r in shape["rows"]:
-            redis_share = (r["redis_cpu_s"] or 0.0) / r["wall_s"]
-            print(
-                f"{r['shape']:14s} {r['writers']:2d} {r['readers']:2d} {r['tokens_written']:8d} "
-                f"{r['stored_bytes_per_token']:8.1f} {r['write_tokens_per_s']:12,.0f} "
-                f"{r['write_over_floor']:7.2f}x {r['read_tokens_per_s']:12,.0f} "
-                f"{r['read_over_floor']:7.2f}x {r['cores_busy']:6.2f} {redis_share:6.2f} "
-                f"{r['verified_records']:8d}"
-            )
-        f = shape["floor"]
-        b = shape["rows"][0]["stored_bytes_per_token"]
-        print(
-            f"{'  floor':14s} redis-benchmark -d {f['value_bytes']}: SET "
-            f"{f['set_bytes_per_s'] / 1e6:,.0f} MB/s ({f['set_bytes_per_s'] / b:,.0f} tok/s), GET "
-            f"{f['get_bytes_per_s'] / 1e6:,.0f} MB/s ({f['get_bytes_per_s'] / b:,.0f} tok/s at "
-            f"{b:.1f} B/token), {f['get_hit_fraction']:.1%} of GETs hit"
-        )
+            print(_row_line(r))
+        print(_floor_line(shape["floor"], shape["rows"][0]["stored_bytes_per_token"]))
     print(
         "W/R = writer/reader processes; tok/s = route-tokens per second: written over the "
         "writers' wall time, read over the time a get_many was in flight; x floor = how many "
         "times the floor's time per token ours takes (floor: raw SET/GET of the stored bytes); "
-        "cores = client and redis CPU over the row's wall time; redis = its share; checked = "
-        "records read back and compared with the writer's digest."
+        "cores = client and redis CPU over the row's wall time; CPU us/token = the writers' and "
+        "readers' CPU + the redis-servers', per token written and read; checked = records read "
+        "back and compared with the writer's digest."
     )
 
 
