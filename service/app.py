@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from routereplay.client import AsyncRouteStore
 
 from .auth import KeyRing
+from .clock import Clock, SystemClock
 from .engine import EngineBackend
 from .errors import install_error_handlers, redact
 from .http_limits import BodySizeLimit
@@ -76,16 +77,20 @@ def make_backend(settings: Settings) -> EngineBackend:
     )
 
 
+# How often the watcher looks at the engine: a death is acted on within this (plus the grace).
+ENGINE_CHECK_INTERVAL_S = 0.5
+
+
 async def _watch_engine(
-    backend: EngineBackend, grace_s: float, on_fatal: Callable[[str], None]
+    backend: EngineBackend, grace_s: float, on_fatal: Callable[[str], None], clock: Clock
 ) -> None:
     """Call ``on_fatal`` once the engine is dead for good, after ``grace_s`` during which the
     service answers 503 (running streams end with their error event, load balancers see it)."""
     while not backend.dead:
-        await asyncio.sleep(0.5)
+        await clock.sleep(ENGINE_CHECK_INTERVAL_S)
     reason = "the engine died and cannot recover"
     log.critical("%s; the service stops in %.0f s so its supervisor restarts it", reason, grace_s)
-    await asyncio.sleep(grace_s)
+    await clock.sleep(grace_s)
     on_fatal(reason)
 
 
@@ -95,14 +100,17 @@ def create_app(
     backend: EngineBackend | None = None,
     store: AsyncRouteStore | None = None,
     on_fatal: Callable[[str], None] | None = None,
+    clock: Clock | None = None,
 ) -> FastAPI:
     """Build the ASGI app; a ``backend``/``store`` passed in is used as is and not closed.
 
     ``on_fatal(reason)`` is called when the engine has died for good (``routereplay serve`` then
     exits with status 3, so compose or Kubernetes restarts it); without it the app stays up and
-    answers 503.
+    answers 503. ``clock`` times the request-id leases and the dead-engine grace period (see
+    :mod:`.clock`; default: real time).
     """
     settings = settings or Settings()
+    clock = clock or SystemClock()
     metrics = ServiceMetrics()
 
     @contextlib.asynccontextmanager
@@ -129,12 +137,12 @@ def create_app(
                 await be.start()
                 stack.push_async_callback(be.close)
             metrics.bind_queue_depth(be.num_unfinished)
-            app.state.service = ServiceState.build(settings, metrics, be, st)
+            app.state.service = ServiceState.build(settings, metrics, be, st, clock)
             stack.push_async_callback(app.state.service.request_ids.aclose)
             watcher = None
             if on_fatal is not None:
                 watcher = asyncio.create_task(
-                    _watch_engine(be, settings.engine_death_grace_s, on_fatal)
+                    _watch_engine(be, settings.engine_death_grace_s, on_fatal, clock)
                 )
             try:
                 yield

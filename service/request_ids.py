@@ -19,12 +19,12 @@ import asyncio
 import contextlib
 import logging
 import re
-import time
 import uuid
 from dataclasses import dataclass
 
 from routereplay.client import AsyncRouteStore, RouteError
 
+from .clock import Clock, SystemClock
 from .errors import ConflictError, InvalidRequestError, redact
 from .protocol import MAX_N
 
@@ -52,12 +52,14 @@ class RequestIds:
     runs, for at most ``max_age_s`` (the longest a request may run): a stream the server never
     finished cannot hold an id forever, and a dead replica's ids lapse within ``lease_s``. If
     Redis cannot be reached the claim is held in this process only (routes cannot be stored then
-    anyway) and a warning is logged.
+    anyway) and a warning is logged. Renewal and ages are timed by ``clock`` (see
+    :mod:`.clock`); the lease itself expires on Redis's clock.
     """
 
-    def __init__(self, max_age_s: float, lease_s: float = 30.0) -> None:
+    def __init__(self, max_age_s: float, lease_s: float = 30.0, clock: Clock | None = None) -> None:
         self.max_age_s = max_age_s
         self.lease_s = min(lease_s, max_age_s)
+        self.clock = clock or SystemClock()
         self._local: dict[tuple[str, str], float] = {}
         self._held: dict[tuple[str, str], tuple[Claim, float]] = {}
         self._releases: set[asyncio.Task] = set()
@@ -88,7 +90,7 @@ class RequestIds:
     async def claim(self, store: AsyncRouteStore, rid: str) -> Claim:
         """Claim ``rid`` in ``store``'s namespace (409 if another request holds it there,
         through any replica)."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         local = (store.keys.prefix, rid)
         since = self._local.get(local)
         if since is not None and now - since < self.max_age_s:
@@ -112,8 +114,8 @@ class RequestIds:
     async def _renew_leases(self) -> None:
         """Extend every held lease each ``lease_s / 3`` until none is held."""
         while self._held:
-            await asyncio.sleep(self.lease_s / 3)
-            now = time.monotonic()
+            await self.clock.sleep(self.lease_s / 3)
+            now = self.clock.monotonic()
             held = []
             for key, (claim, since) in list(self._held.items()):
                 if now - since >= self.max_age_s:

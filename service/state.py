@@ -9,6 +9,7 @@ from fastapi import Request
 from routereplay.client import AsyncRouteStore
 
 from .capture import RouteCapture
+from .clock import Clock, SystemClock
 from .engine import EngineBackend
 from .errors import EngineUnavailableError
 from .metrics import ServiceMetrics
@@ -60,8 +61,10 @@ class ServiceState:
         metrics: ServiceMetrics,
         backend: EngineBackend,
         store: AsyncRouteStore,
+        clock: Clock | None = None,
     ) -> ServiceState:
-        """Compose the serving classes over a started backend and an open store."""
+        """Compose the serving classes over a started backend and an open store; ``clock``
+        times the request-id leases (default: real time)."""
         capture = RouteCapture(
             backend.info, metrics, ttl_s=settings.route_ttl_s,
             timeout_s=settings.store_timeout_s, offload_bytes=settings.offload_bytes,
@@ -70,7 +73,9 @@ class ServiceState:
         # A claim is renewed while its request runs, up to the longest a request may run (a
         # leaked one, a stream never started, lapses then); a dead replica's within one lease.
         request_ids = RequestIds(
-            settings.upstream_timeout_s + settings.store_timeout_s, settings.request_id_lease_s
+            settings.upstream_timeout_s + settings.store_timeout_s,
+            settings.request_id_lease_s,
+            clock or SystemClock(),
         )
         return cls(
             settings=settings,

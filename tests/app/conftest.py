@@ -8,12 +8,14 @@ break their engine or store without touching another's.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import openai
@@ -23,10 +25,117 @@ import redis
 from routereplay.client import AsyncRouteStore, RouteRecord, RouteStore
 from routereplay.local_redis import free_port
 from routereplay.service import Settings, create_app
+from routereplay.service.engine import ChoiceDelta, EngineEvent
 from routereplay.service.synthetic import SyntheticBackend, synthetic_routes
 
 MODEL = "synthetic-moe"
 BASE = "http://testserver"
+# How long a test waits for a condition before it fails: far beyond any stall of a loaded
+# machine, so only a condition that never comes fails a test.
+PATIENCE_S = 120.0
+
+
+async def until(condition: Callable[[], Any], what: str, timeout_s: float = PATIENCE_S) -> None:
+    """Return once ``condition()`` (sync or awaitable) is true; fail naming ``what`` if it is
+    not within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = condition()
+        if asyncio.iscoroutine(got):
+            got = await got
+        if got:
+            return
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
+        await asyncio.sleep(0.002)
+
+
+def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = PATIENCE_S) -> None:
+    """:func:`until` for tests without an event loop."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
+        time.sleep(0.01)
+
+
+class ManualClock:
+    """A service clock (:mod:`routereplay.service.clock`) that moves only when the test calls
+    :meth:`advance`: lease renewals and grace periods happen at the step the test chooses."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._sleepers: list[tuple[float, asyncio.Future[None]]] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        entry = (self.now + seconds, asyncio.get_running_loop().create_future())
+        self._sleepers.append(entry)
+        try:
+            await entry[1]
+        finally:
+            with contextlib.suppress(ValueError):
+                self._sleepers.remove(entry)
+
+    @property
+    def wakes(self) -> list[float]:
+        """When the tasks asleep on this clock wake (a timer task waiting for its next turn)."""
+        return sorted(t for t, _ in self._sleepers)
+
+    def advance(self, seconds: float) -> None:
+        """Move time on and wake every sleeper that is due."""
+        self.now += seconds
+        for entry in [e for e in self._sleepers if e[0] <= self.now]:
+            self._sleepers.remove(entry)
+            if not entry[1].done():
+                entry[1].set_result(None)
+
+
+class HeldEngine(SyntheticBackend):
+    """The synthetic engine, except that each request stops after ``hold_after`` tokens (of
+    choice 0) until the test lets it go: a request is in flight, mid-generation and mid-stream,
+    for exactly as long as the test needs rather than for a guessed time at a paced decode."""
+
+    def __init__(self, name: str = MODEL, *, hold_after: int = 1, **kw: Any) -> None:
+        super().__init__(name, **kw)
+        self.hold_after = hold_after
+        self.held = 0  # requests waiting at their hold now
+        self._gate = asyncio.Semaphore(0)
+        self._open = False
+
+    def let_go(self, n: int | None = None) -> None:
+        """Let ``n`` held requests (or ones yet to arrive) go on; every one, from now on, if
+        ``n`` is None."""
+        if n is None:
+            self._open = True
+            n = self.held
+        for _ in range(n):
+            self._gate.release()
+
+    @property
+    def abort_requested(self) -> bool:
+        """``pause(mode="abort")`` or ``abort_requests()`` is ending every running request."""
+        return self._abort_all
+
+    def generate_chat(self, req):  # type: ignore[no-untyped-def]
+        return self._held(super().generate_chat(req))
+
+    def generate_completion(self, req):  # type: ignore[no-untyped-def]
+        return self._held(super().generate_completion(req))
+
+    async def _held(self, events: AsyncIterator[EngineEvent]) -> AsyncIterator[EngineEvent]:
+        tokens = 0
+        async with contextlib.aclosing(events):
+            async for ev in events:
+                yield ev
+                if isinstance(ev, ChoiceDelta) and ev.index == 0:
+                    tokens += 1
+                    if tokens == self.hold_after and not self._open:
+                        self.held += 1
+                        try:
+                            await self._gate.acquire()
+                        finally:
+                            self.held -= 1
 
 
 @dataclass
@@ -64,12 +173,17 @@ class App:
         return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name))
 
 
-def make_app(redis_url: str, backend: SyntheticBackend | None = None, **settings: object):
+def make_app(
+    redis_url: str,
+    backend: SyntheticBackend | None = None,
+    clock: ManualClock | None = None,
+    **settings: object,
+):
     prefix = f"t{uuid.uuid4().hex[:10]}"
     backend = backend or SyntheticBackend(MODEL)
     store = AsyncRouteStore.from_url(redis_url, prefix=prefix, block_size=16)
     s = Settings(redis_url=redis_url, route_prefix=prefix, block_size=16, **settings)
-    return create_app(s, backend=backend, store=store), backend, store, prefix
+    return create_app(s, backend=backend, store=store, clock=clock), backend, store, prefix
 
 
 @contextlib.asynccontextmanager
@@ -94,6 +208,13 @@ async def running_app(redis_url: str, **kw: object) -> AsyncIterator[App]:
 @pytest.fixture()
 async def svc(redis_url: str) -> AsyncIterator[App]:
     async with running_app(redis_url) as a:
+        yield a
+
+
+@pytest.fixture()
+async def held_svc(redis_url: str) -> AsyncIterator[App]:
+    """An app over a :class:`HeldEngine` (``app.backend``; its requests hold after one token)."""
+    async with running_app(redis_url, backend=HeldEngine()) as a:
         yield a
 
 
@@ -127,9 +248,7 @@ def _live(redis_url: str, step_delay_s: float) -> Iterator[LiveServer]:
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: server.started or not t.is_alive(), "uvicorn starting")
     assert server.started, "uvicorn did not start"
     try:
         yield LiveServer(f"http://127.0.0.1:{port}", backend, prefix)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import redis
 from routereplay.client import AsyncRoutesClient, RouteNotFoundError, RouteServiceError
 from routereplay.local_redis import free_port
 
-from .conftest import BASE, MODEL, App, running_app
+from .conftest import BASE, MODEL, App, running_app, wait_for
 
 ALICE = "alice:" + "a" * 32
 BOB = "bob:" + "b" * 32
@@ -173,15 +172,15 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, P
     )  # fmt: skip
     client = redis.Redis(host="127.0.0.1", port=port, password=PASSWORD, ssl=True,
                          ssl_ca_certs=str(d / "cert.pem"))  # fmt: skip
-    deadline = time.monotonic() + 10
-    while True:
+
+    def answers() -> bool:
         try:
-            client.ping()
-            break
+            return bool(client.ping())
         except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+            assert proc.poll() is None, "redis-server exited"
+            return False
+
+    wait_for(answers, "the TLS redis-server answering")
     client.close()
     try:
         yield f"127.0.0.1:{port}", d / "cert.pem"

@@ -54,7 +54,8 @@ async def test_unreachable_store_reports_failed_handle() -> None:
     store = AsyncRouteStore.from_url(
         "redis://127.0.0.1:1/0", socket_connect_timeout=0.5, retry=None
     )
-    cap = RouteCapture(INFO, ServiceMetrics(), timeout_s=5)
+    # A deadline far beyond the refused connection: the error must be the connection's.
+    cap = RouteCapture(INFO, ServiceMetrics(), timeout_s=120)
     prompt = [5, 6, 7]
     handle = await cap.capture(store, "c-0", _finished(prompt, [8]), prompt, "c")
     assert handle.status == "failed"

@@ -3,6 +3,8 @@ service reported stored is fetched back and checked; a damaged store is caught."
 
 from __future__ import annotations
 
+import json
+
 import redis
 
 from routereplay.bench.loadtest import main
@@ -15,8 +17,6 @@ def test_loadtest_verifies_every_route(live_server: LiveServer, capsys) -> None:
     rc = main(["--url", live_server.url, "--requests", "80", "--concurrency", "8", "--n", "2",
                "--max-tokens", "6", "--json"])  # fmt: skip
     out = capsys.readouterr().out
-    import json
-
     report = json.loads(out)
     assert rc == 0, out
     assert report["ok"] == 80 and report["errors"] == {}
@@ -50,8 +50,8 @@ def test_loadtest_catches_lost_routes(live_server: LiveServer, redis_url: str, c
 
     lt.AsyncRoutesClient = Deleting
     try:
-        rc = main(["--url", live_server.url, "--requests", "4", "--concurrency", "2"])
+        rc = main(["--url", live_server.url, "--requests", "4", "--concurrency", "2", "--json"])
     finally:
         lt.AsyncRoutesClient = real
-    out = capsys.readouterr().out
-    assert rc == 1 and "lost 4" in out and "FAIL" in out
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 1 and report["routes"]["lost"] == 4 and report["passed"] is False, report

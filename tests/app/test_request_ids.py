@@ -3,12 +3,39 @@
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 import httpx
+import pytest
+from redis.asyncio import Redis
 
-from .conftest import MODEL, App, running_app
+from routereplay.service.errors import ConflictError
+from routereplay.service.request_ids import RequestIds
+
+from .conftest import MODEL, App, HeldEngine, ManualClock, running_app, until
 
 BODY = {"model": MODEL, "prompt": "in flight", "max_tokens": 24}
+
+
+async def redis_now(redis: Redis) -> int:
+    """Redis's clock, Unix ms (the clock its key expiry runs on)."""
+    s, us = await redis.time()
+    return s * 1000 + us // 1000
+
+
+async def redis_ms(redis: Redis, after: int) -> bool:
+    """Redis's clock is past ``after`` (Unix ms)."""
+    return await redis_now(redis) > after
+
+
+async def expiry_ms(redis: Redis, key: str, after: int | None = None) -> int | bool:
+    """When ``key`` expires (Unix ms); with ``after``: whether that is later than ``after``."""
+    t = await redis.execute_command("PEXPIRETIME", key)
+    return t if after is None else t > after
+
+
+async def gone(redis: Redis, key: str) -> bool:
+    return not await redis.exists(key)
 
 
 async def test_generated_and_echoed_ids(svc: App) -> None:
@@ -25,18 +52,19 @@ async def test_generated_and_echoed_ids(svc: App) -> None:
     assert r.json()["choices"][0]["routed_experts"]["route_id"] == "mine.1:a-b-0"
 
 
-async def test_in_flight_id_is_refused_then_reusable(svc: App) -> None:
-    svc.backend.step_delay_s = 0.01
+async def test_in_flight_id_is_refused_then_reusable(held_svc: App) -> None:
+    svc, engine = held_svc, held_svc.backend
+    assert isinstance(engine, HeldEngine)
     headers = {"X-Request-Id": "dup-inflight"}
     first = asyncio.create_task(svc.http.post("/v1/completions", json=BODY, headers=headers))
-    while svc.backend.num_unfinished() == 0:
-        await asyncio.sleep(0.005)
+    await until(lambda: engine.held == 1, "the first request generating")
     second = await svc.http.post("/v1/completions", json=BODY, headers=headers)
     assert second.status_code == 409, second.text
     err = second.json()["error"]
     assert err["param"] == "X-Request-Id" and err["code"] == "request_id_in_flight"
     assert "in flight" in err["message"]
     # The refused retry did not disturb the original, whose routes are stored.
+    engine.let_go()
     r1 = await first
     h = r1.json()["choices"][0]["routed_experts"]
     assert r1.status_code == 200 and h["status"] == "stored"
@@ -74,7 +102,8 @@ async def test_claims_hold_across_replicas(redis_url: str) -> None:
     from routereplay.service import Settings, create_app
     from routereplay.service.synthetic import SyntheticBackend
 
-    async with running_app(redis_url) as a:
+    engine = HeldEngine()
+    async with running_app(redis_url, backend=engine) as a:
         # The replica: its own app and engine, the same route store.
         backend = SyntheticBackend(MODEL)
         await backend.start()
@@ -82,52 +111,81 @@ async def test_claims_hold_across_replicas(redis_url: str) -> None:
         async with replica.router.lifespan_context(replica):
             transport = httpx.ASGITransport(app=replica)
             async with httpx.AsyncClient(transport=transport, base_url="http://r") as b:
-                a.backend.step_delay_s = 0.01
                 headers = {"X-Request-Id": "shared-id"}
                 first = asyncio.create_task(a.http.post("/v1/completions", json=BODY,
                                                         headers=headers))  # fmt: skip
-                while a.backend.num_unfinished() == 0:
-                    await asyncio.sleep(0.005)
+                await until(lambda: engine.held == 1, "the request on A generating")
                 other = await b.post("/v1/completions", json=BODY, headers=headers)
                 assert other.status_code == 409, other.text
+                engine.let_go()
                 assert (await first).status_code == 200
-                await asyncio.sleep(0.05)  # the claim is released in the background
+                # The claim was given back before A answered: a retry right after is taken.
                 again = await b.post("/v1/completions", json=BODY, headers=headers)
                 assert again.status_code == 200
 
 
 async def test_a_long_request_keeps_its_id_past_the_lease(redis_url: str) -> None:
     """The lease is renewed while the request runs: a request lasting several leases still
-    holds its id on every replica, and frees it when it ends."""
-    async with running_app(redis_url, request_id_lease_s=0.3) as a:
-        a.backend.step_delay_s = 0.05  # 24 tokens: ~1.2 s, four leases
+    holds its id on every replica, and frees it when it ends.
+
+    The leases pass on the service's clock, stepped by the test; in Redis the lease is long
+    enough that only a missing renewal, never a slow machine, could let it lapse here. Each
+    renewal shows as a later expiry time in Redis."""
+    lease = 30.0
+    clock, engine = ManualClock(), HeldEngine()
+    async with running_app(redis_url, backend=engine, clock=clock, request_id_lease_s=lease) as a:
+        redis = a.store.redis
         headers = {"X-Request-Id": "long-one"}
         first = asyncio.create_task(a.http.post("/v1/completions", json=BODY, headers=headers))
-        while a.backend.num_unfinished() == 0:
-            await asyncio.sleep(0.005)
+        await until(lambda: engine.held == 1, "the request generating")
         key = a.store.keys.claim("long-one")
-        await asyncio.sleep(0.8)
+        expiry = await expiry_ms(redis, key)
+        for renewal in range(12):  # four leases
+            await until(lambda: clock.wakes == [clock.now + lease / 3], "the renewer asleep")
+            # A renewal in the millisecond of the last one would not move the expiry.
+            last_set = expiry - int(lease * 1000)
+            await until(partial(redis_ms, redis, after=last_set), "Redis's clock moving on")
+            clock.advance(lease / 3)
+            before = expiry
+            await until(partial(expiry_ms, redis, key, after=before), f"renewal {renewal + 1}")
+            expiry = await expiry_ms(redis, key)
         assert not first.done()
-        assert await a.store.redis.exists(key), "the lease lapsed while its request ran"
-        assert 0 < await a.store.redis.pttl(key) <= 300
+        assert 0 < await redis.pttl(key) <= lease * 1000
+        # Another replica (its own RequestIds, the same Redis) is refused the id.
+        other = RequestIds(max_age_s=600, lease_s=lease)
+        with pytest.raises(ConflictError):
+            await other.claim(a.store, "long-one")
+        await other.aclose()
+        engine.let_go()
         assert (await first).status_code == 200
-        await asyncio.sleep(0.05)
-        assert not await a.store.redis.exists(key), "not released at the end"
+        assert not await redis.exists(key), "not released at the end"
 
 
 async def test_a_dead_replicas_ids_lapse_within_one_lease(redis_url: str) -> None:
-    """A replica that dies mid-request renews nothing: its ids are free again after one
-    lease, so a client's retry on another replica is accepted."""
-    from routereplay.service.request_ids import RequestIds
-
-    async with running_app(redis_url, request_id_lease_s=0.4) as a:
-        dead = RequestIds(max_age_s=600, lease_s=0.4)
-        await dead.claim(a.store, "orphan")
+    """A replica that dies mid-request renews nothing: its ids are refused while its lease
+    lasts, then free again, so a client's retry on another replica is accepted."""
+    async with running_app(redis_url) as a:
+        redis = a.store.redis
+        # A lease of a minute here (longer than any stall), so the refusal is certain.
+        clock = ManualClock()
+        dead = RequestIds(max_age_s=600, lease_s=60, clock=clock)
+        before = await redis_now(redis)
+        await dead.claim(a.store, "orphan-held")
+        after = await redis_now(redis)
         await dead.aclose()  # the replica is gone: no renewal, no release
+        assert clock.wakes == [], "a renewal is still scheduled"
+        # Its lease ends one lease after the claim, and nothing will move that.
+        expiry = await expiry_ms(redis, a.store.keys.claim("orphan-held"))
+        assert before + 60_000 <= expiry <= after + 60_000
         refused = await a.http.post("/v1/completions", json=BODY,
-                                    headers={"X-Request-Id": "orphan"})  # fmt: skip
+                                    headers={"X-Request-Id": "orphan-held"})  # fmt: skip
         assert refused.status_code == 409
-        await asyncio.sleep(0.5)
+        # Once a lease lapses (a short one here), the id is free for a retry.
+        dead = RequestIds(max_age_s=600, lease_s=0.2)
+        await dead.claim(a.store, "orphan")
+        await dead.aclose()
+        key = a.store.keys.claim("orphan")
+        await until(partial(gone, redis, key), "the dead replica's lease lapsing")
         again = await a.http.post("/v1/completions", json=BODY,
                                   headers={"X-Request-Id": "orphan"})  # fmt: skip
         assert again.status_code == 200, again.text

@@ -13,7 +13,7 @@ import pytest
 
 from routereplay.service.synthetic import synthetic_routes
 
-from .conftest import MODEL, App, running_app
+from .conftest import MODEL, App, HeldEngine, running_app, until
 
 BODY = {"model": MODEL, "max_tokens": 6, "return_token_ids": True, "temperature": 0}
 
@@ -83,14 +83,18 @@ async def test_update_changes_routes_and_versions_label_them(svc: App, tmp_path:
     assert np.array_equal(np.asarray(r1["experts"][:-1]), want)
 
 
-async def test_request_across_an_update_carries_both_versions(svc: App, tmp_path: Path) -> None:
-    svc.backend.step_delay_s = 0.02
+async def test_request_across_an_update_carries_both_versions(
+    held_svc: App, tmp_path: Path
+) -> None:
+    svc, engine = held_svc, held_svc.backend
+    assert isinstance(engine, HeldEngine)
+    engine.hold_after = 5
     path = checkpoint(tmp_path, 9)
     task = asyncio.create_task(complete(svc, "crossing", max_tokens=30))
-    while svc.backend.num_unfinished() == 0:
-        await asyncio.sleep(0.005)
-    await asyncio.sleep(0.1)  # a few tokens under the first weights
+    await until(lambda: engine.held == 1, "five tokens under the first weights")
+    # Paused with mode=keep, the running request stays frozen through the update.
     assert (await svc.http.post("/pause?mode=keep")).status_code == 200
+    engine.let_go()
     await svc.http.post("/reload_weights", json={"weights_path": path, "weight_version": "v2"})
     assert (await svc.http.post("/resume")).status_code == 200
     choice, toks = await task
@@ -99,6 +103,9 @@ async def test_request_across_an_update_carries_both_versions(svc: App, tmp_path
     (a, b) = h["weight_versions"]
     assert a["version"] == "default" and b["version"] == "v2"
     assert a["start"] == 0 and a["stop"] == b["start"] and b["stop"] == len(toks)
+    # The prompt's rows and four tokens' were routed by the first weights: the fifth token's row
+    # is routed by the next forward, which ran after the update.
+    assert a["stop"] == len(choice["prompt_token_ids"]) + 4, a
     # Each row's experts are those of the weights that routed it.
     rec = (await svc.http.get(f"/v1/routes/{h['route_id']}?format=json")).json()
     assert rec["weight_versions"] == [["default", 0, a["stop"]], ["v2", a["stop"], len(toks)]]
@@ -109,12 +116,16 @@ async def test_request_across_an_update_carries_both_versions(svc: App, tmp_path
     assert np.array_equal(np.asarray(rec["experts"][:-1]), want)
 
 
-async def test_pause_abort_ends_requests_in_flight(svc: App) -> None:
-    svc.backend.step_delay_s = 0.02
+async def test_pause_abort_ends_requests_in_flight(held_svc: App) -> None:
+    svc, engine = held_svc, held_svc.backend
+    assert isinstance(engine, HeldEngine)
     task = asyncio.create_task(complete(svc, "doomed", max_tokens=200))
-    while svc.backend.num_unfinished() == 0:
-        await asyncio.sleep(0.005)
-    assert (await svc.http.post("/pause?mode=abort")).status_code == 200
+    await until(lambda: engine.held == 1, "the request generating")
+    # The pause waits for the running request to end; it is let go once the abort is asked.
+    pause = asyncio.create_task(svc.http.post("/pause?mode=abort"))
+    await until(lambda: engine.abort_requested, "the abort asked of the engine")
+    engine.let_go()
+    assert (await pause).status_code == 200
     choice, _ = await task
     assert choice["finish_reason"] == "abort"
     await svc.http.post("/resume")
