@@ -266,8 +266,10 @@ class _ServingGeneration(abc.ABC, Generic[R]):
             outcome["status"] = 499  # the client went away mid-stream
             raise
         finally:
-            await self.request_ids.release(claimed)
+            # Counted first: when the client went away, the response is cancelled and stays so
+            # (a cancel scope), so the await below raises again; the release itself is shielded.
             self._done(t0, outcome["status"])
+            await self.request_ids.release(claimed)
 
     async def _open(
         self, greq: GenerationRequest[R], claim: Claim | None
