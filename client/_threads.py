@@ -11,8 +11,8 @@ __all__ = ["default_decode_threads"]
 
 def default_decode_threads() -> int:
     """Decode threads a store uses unless told: the CPUs this process may run on, up to 8
-    (a trainer host runs one reader per GPU; on a 16-core host 8 threads read a 256k-token step
-    ~10% faster than 4 with the batch decoder, 16 no faster than 8: docs/trainer.md)."""
+    (a trainer host runs one reader per GPU; on a 16-core host 8 threads decode a 256k-token
+    step's chunks faster than 4, docs/benchmarks.md)."""
     try:
         n = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
