@@ -24,6 +24,23 @@ from routereplay.service.tiny_model import ensure_tiny_model
 MODEL_NAME = "tiny-qwen3-moe-moe"
 
 
+def engine_core_pids(parent: int) -> list[int]:
+    """PIDs of vLLM engine-core processes under ``parent`` (by parent pid, from /proc)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"EngineCore" in cmd:
+            out.append(int(d.name))
+    return out
+
+
 @dataclass
 class Service:
     url: str  # http://127.0.0.1:PORT

@@ -22,26 +22,9 @@ import pytest
 
 from routereplay.service.cli import ENGINE_DEAD_EXIT
 
-from .conftest import MODEL_NAME, start_service
+from .conftest import MODEL_NAME, engine_core_pids, start_service
 
 pytestmark = pytest.mark.vllm
-
-
-def engine_core_pids(parent: int) -> list[int]:
-    """PIDs of vLLM engine-core processes under ``parent`` (by parent pid, from /proc)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            cmd = (d / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == parent and b"EngineCore" in cmd:
-            out.append(int(d.name))
-    return out
 
 
 @dataclass
@@ -77,16 +60,15 @@ def test_engine_death_mid_stream(faulty: FaultyService) -> None:
 
     t = threading.Thread(target=consume)
     t.start()
-    deadline = time.monotonic() + 60
-    while len(lines) < 5 and time.monotonic() < deadline:
+    deadline = time.monotonic() + 300
+    while len(lines) < 5 and t.is_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(lines) >= 5, "stream did not start"
     for pid in cores:
         os.kill(pid, signal.SIGKILL)
-    t0 = time.monotonic()
-    t.join(timeout=60)
+    # Far longer than the answer takes: only a stream that never ends stays past it.
+    t.join(timeout=300)
     assert not t.is_alive(), "stream hung after the engine died"
-    assert time.monotonic() - t0 < 60
     assert lines[-1] == "data: [DONE]"
     err = json.loads(lines[-2][len("data: ") :])
     assert err["error"]["type"] == "engine_unavailable", err
