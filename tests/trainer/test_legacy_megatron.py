@@ -13,7 +13,8 @@ processes, which run:
   configurations, with every ``torch.cuda`` call from routereplay's code made to raise.
 
 The multi-rank matrix (TP+SP, CP, EP, PP 1F1B, VPP) for all four releases is
-``bash tests/trainer/run_legacy_matrix.sh``; CI runs TP2+SP on the oldest and PP2 on the newest.
+``.venv/bin/python tests/trainer/legacy_matrix.py``; CI runs TP2+SP on the oldest and PP2 on the
+newest.
 """
 
 from __future__ import annotations
