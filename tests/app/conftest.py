@@ -2,8 +2,8 @@
 ``httpx.ASGITransport`` and the official openai SDK, over the deterministic synthetic engine
 backend and a real redis-server. No vLLM, no subprocess: milliseconds per test.
 
-Each test gets its own app, backend and key prefix in the session's redis-server, so tests can
-break their engine or store without touching another's.
+Each test gets its own app, backend and key prefix in the pytest session's redis-server, so tests
+can break their engine or store without touching another's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Service test fixtures: ONE routereplay service (one vLLM engine) for the whole session.
 
 The service runs as a real ``routereplay serve`` subprocess on a free loopback port, storing
-into the session's private redis-server (``redis_url`` from tests/conftest.py).
+into the pytest session's private redis-server (``redis_url`` from tests/conftest.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The real in-process engine dying: EngineDeadError reported, never a hang, nothing half-stored,
 then the process exits with status 3 so its supervisor restarts it.
 
-Uses its own service (its engine is killed on purpose); the session's is unaffected. Redis
+Uses its own service (its engine is killed on purpose); the pytest session's is unaffected. Redis
 faults (full, gone) need no engine and are covered in tests/app/test_probes_and_faults.py.
 """
 

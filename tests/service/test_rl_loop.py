@@ -3,8 +3,8 @@ every record says which weights routed it (spans across an update), prefix fills
 weight versions.
 
 Runs its own service: vLLM's in-place reload is not bit-identical to a fresh load (reloading the
-original weights flipped 1 of 61 routed rows, a near-tie), so the session's service, whose routes
-other modules compare with an offline engine, must keep its weights."""
+original weights flipped 1 of 61 routed rows, a near-tie), so the pytest session's service, whose
+routes other modules compare with an offline engine, must keep its weights."""
 
 from __future__ import annotations
 
