@@ -219,11 +219,12 @@ class Parsed:
     where they need no join, else ``mask`` and ``values`` for :func:`X.keep_join` (uint8 ids,
     which a batch joins at once)."""
 
-    __slots__ = ("head", "lm", "mask", "token_ids", "valid", "values")
+    __slots__ = ("head", "lm", "mask", "token_bytes", "token_ids", "valid", "values")
 
-    def __init__(self, head: BodyHead, token_ids: np.ndarray, valid: np.ndarray) -> None:
+    def __init__(self, head: BodyHead, token_bytes: memoryview, valid: np.ndarray) -> None:
         self.head = head
-        self.token_ids = token_ids
+        self.token_bytes = token_bytes  # uint32 LE, as stored: what the token chain hashes
+        self.token_ids = np.frombuffer(token_bytes, dtype="<u4").astype(np.int64)
         self.valid = valid
         self.lm: np.ndarray | None = None
         self.mask: np.ndarray | None = None
@@ -239,7 +240,7 @@ def parse_body(head: BodyHead, raw: bytes, what: str) -> Parsed:
         raise RouteCorruptError(f"{what}: body size {head.raw_len} too small for {T} tokens")
     p = Parsed(
         head,
-        np.frombuffer(mv[: 4 * T], dtype="<u4").astype(np.int64),
+        mv[: 4 * T],
         np.unpackbits(np.frombuffer(mv[4 * T : 4 * T + vb], np.uint8), count=T).view(bool),
     )
     rows = mv[4 * T + vb :]

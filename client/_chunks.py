@@ -103,8 +103,7 @@ def _parse(digest: bytes, blob: bytes, what: str) -> _Pending:
 def _finish(p: _Pending, lm: np.ndarray, what: str) -> Block:
     """Check the chunk's rows against its address; the block, its chain and largest id kept."""
     parsed = p.parsed
-    tok = parsed.token_ids.astype("<u4").tobytes()
-    chain = next_chain(p.prev, tok)
+    chain = next_chain(p.prev, parsed.token_bytes)
     if chunk_digest(chain, parsed.valid, lm, p.extra) != p.digest:
         raise RouteCorruptError(
             f"{what}: content does not match its address (a chunk stored under another chunk's "
