@@ -95,6 +95,11 @@ class Settings(BaseSettings):
     engine_death_grace_s: float = Field(
         5.0, ge=0, description="after the engine dies: seconds of 503s, then exit status 3"
     )
+    weights_root: Path | None = Field(
+        None,
+        description="directory under which POST /reload_weights may load checkpoints (a "
+        "checkpoint is a directory inside it; links out of it are refused); unset: no file loads",
+    )
     engine_args: dict[str, Any] = Field(
         default_factory=dict, description="extra vLLM AsyncEngineArgs, as JSON: '{\"k\": v}'"
     )
