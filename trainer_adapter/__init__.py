@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._coverage import BatchCoverage, RecordCoverage, ReplayPolicy, batch_coverage
+from ._coverage import (
+    BatchCoverage,
+    OnViolation,
+    RecordCoverage,
+    ReplayPolicy,
+    SampleCoverage,
+    batch_coverage,
+)
 from ._layers import moe_layer_pattern
 from ._position_map import (
     NO_ROUTE,
@@ -24,6 +31,7 @@ from ._position_map import (
     thd_position_map,
 )
 from ._prefetch import Prefetcher
+from ._report import VIOLATION_KINDS, ReplayReport, SampleDecision, step_scalars
 from ._targets import ReplayTargets, TargetBuffers, filler_experts, gather_targets
 from .errors import (
     ReplayConfigError,
@@ -47,7 +55,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "NO_ROUTE",
+    "VIOLATION_KINDS",
     "BatchCoverage",
+    "OnViolation",
     "PositionMap",
     "Prefetcher",
     "R2Recorder",
@@ -55,11 +65,14 @@ __all__ = [
     "ReplayConfigError",
     "ReplayPolicy",
     "ReplayPolicyError",
+    "ReplayReport",
     "ReplayTargets",
     "RouteAlignmentError",
     "RouteLayerMismatchError",
     "RouterReplayer",
     "RouterSlot",
+    "SampleCoverage",
+    "SampleDecision",
     "SampleMap",
     "ShadowReport",
     "TargetBuffers",
@@ -77,6 +90,7 @@ __all__ = [
     "padded_position_map",
     "sample_from_record",
     "shared_prefix_sample",
+    "step_scalars",
     "thd_cp_index",
     "thd_position_map",
 ]

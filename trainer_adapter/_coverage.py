@@ -1,5 +1,5 @@
-"""What a training batch replays: route coverage, weight versions, and a policy that refuses
-batches it should not train on.
+"""What a training batch replays: route coverage, weight versions, and a policy that decides,
+per sample, what happens to samples it should not replay.
 
 Pure data (numpy): from a :class:`PositionMap` and its records. A position of the batch is
 
@@ -8,6 +8,8 @@ Pure data (numpy): from a :class:`PositionMap` and its records. A position of th
   another request of the same weights routed; ``metadata["filled_rows"]``),
 - ``invalid``: mapped to a row with no route (the last sampled token, a row nobody could
   recover): it gets filler experts, i.e. the trainer's routing is not the rollout's there,
+- ``missing``: mapped to a record the store did not have (``None`` in the record list, what
+  ``get_many(..., missing_ok=True)`` returns for it): fillers too,
 - ``no_route``: padding or a token no record covers.
 
 A row covers every MoE layer at once (records hold all of the model's MoE layers or are refused),
@@ -21,33 +23,62 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import numpy as np
 
 from routereplay.client import RouteRecord
 
 from ._position_map import PositionMap
+from ._report import ReplayReport, SampleDecision
 from .errors import ReplayPolicyError
 
-__all__ = ["BatchCoverage", "RecordCoverage", "ReplayPolicy", "batch_coverage"]
+__all__ = [
+    "BatchCoverage",
+    "OnViolation",
+    "RecordCoverage",
+    "ReplayPolicy",
+    "SampleCoverage",
+    "batch_coverage",
+]
 
 UNKNOWN = "<unknown>"  # the version label of rows whose weights the engine did not report
 
 
 @dataclass
 class RecordCoverage:
-    """Coverage of the positions that map to one record."""
+    """Coverage of the positions that map to one record (in the whole batch, or in one sample:
+    :attr:`SampleCoverage.records`)."""
 
     record: int
-    route: str  # request id and choice, from the record's metadata
+    route: str  # the route id given to batch_coverage, else request id and choice from metadata
     replayed: int = 0
     filled: int = 0
     invalid: int = 0
     versions: Counter[str] = field(default_factory=Counter)
+    missing: int = 0  # positions mapped to this record while the store did not have it
 
     @property
     def mapped(self) -> int:
-        return self.replayed + self.filled + self.invalid
+        return self.replayed + self.filled + self.invalid + self.missing
+
+    def add(self, other: RecordCoverage) -> None:
+        self.replayed += other.replayed
+        self.filled += other.filled
+        self.invalid += other.invalid
+        self.missing += other.missing
+        self.versions.update(other.versions)
+
+
+@dataclass
+class SampleCoverage:
+    """Coverage of one sample: its positions in the batch (``rows``, including positions of the
+    sample that no record covers, such as an EOS the trainer appended) and, per record it reads,
+    the coverage of the positions it reads there."""
+
+    sample: int
+    rows: int
+    records: list[RecordCoverage]
 
 
 @dataclass
@@ -60,10 +91,12 @@ class BatchCoverage:
     versions: Counter[str]  # replayed + filled positions per weight version
     records: list[RecordCoverage]
     layers: tuple[int, ...] = ()
+    missing: int = 0
+    samples: list[SampleCoverage] = field(default_factory=list)
 
     @property
     def mapped(self) -> int:
-        return self.replayed + self.filled + self.invalid
+        return self.replayed + self.filled + self.invalid + self.missing
 
     @property
     def coverage(self) -> float:
@@ -82,6 +115,7 @@ class BatchCoverage:
             f"{prefix}rows_replayed": float(self.replayed),
             f"{prefix}rows_filled": float(self.filled),
             f"{prefix}rows_invalid": float(self.invalid),
+            f"{prefix}rows_missing": float(self.missing),
             f"{prefix}rows_no_route": float(self.no_route),
         }
         for v, n in self.versions.items():
@@ -104,43 +138,77 @@ def _row_versions(rec: RouteRecord) -> np.ndarray:
     return out
 
 
-def _route_name(i: int, rec: RouteRecord) -> str:
+def _route_name(i: int, rec: RouteRecord | None, route_ids: Sequence[str] | None) -> str:
+    if route_ids is not None:
+        return str(route_ids[i])
+    if rec is None:
+        return f"record {i}"
     rid, choice = rec.metadata.get("request_id"), rec.metadata.get("choice")
     return f"{rid}-{choice}" if rid is not None and choice is not None else f"record {i}"
 
 
+def _read_coverage(ri: int, name: str, rec: RouteRecord | None, rows: np.ndarray) -> RecordCoverage:
+    """Coverage of the positions that read ``rows`` of record ``ri``."""
+    c = RecordCoverage(ri, name)
+    if rec is None:
+        c.missing = int(rows.size)
+        return c
+    valid = rec.valid[rows]
+    filled = _filled_mask(rec)[rows] & valid
+    c.filled = int(filled.sum())
+    c.replayed = int(valid.sum()) - c.filled
+    c.invalid = int((~valid).sum())
+    vs, counts = np.unique(_row_versions(rec)[rows[valid]].astype(str), return_counts=True)
+    c.versions.update(dict(zip(vs.tolist(), counts.tolist(), strict=True)))
+    return c
+
+
 def batch_coverage(
-    pmap: PositionMap, records: Sequence[RouteRecord], layers: Sequence[int] = ()
+    pmap: PositionMap,
+    records: Sequence[RouteRecord | None],
+    layers: Sequence[int] = (),
+    *,
+    route_ids: Sequence[str] | None = None,
 ) -> BatchCoverage:
-    """Count what each position of ``pmap`` replays (see the module docstring)."""
+    """Count what each position of ``pmap`` replays (see the module docstring), for the batch,
+    per record and per sample. ``records`` may hold ``None`` for a record the store did not
+    have; ``route_ids`` (one per record) names records in messages and reports, default their
+    request id and choice."""
     rec_idx = pmap.record.reshape(-1)
     tok_idx = pmap.token.reshape(-1)
+    smp_idx = pmap.sample.reshape(-1)
     per: list[RecordCoverage] = []
-    totals = Counter[str]()
-    versions = Counter[str]()
+    by_sample: dict[int, list[RecordCoverage]] = {}
     for ri in np.unique(rec_idx[rec_idx >= 0]).tolist():
         r = records[ri]
-        rows = tok_idx[rec_idx == ri]
-        valid = r.valid[rows]
-        filled = _filled_mask(r)[rows] & valid
-        c = RecordCoverage(ri, _route_name(ri, r))
-        c.filled = int(filled.sum())
-        c.replayed = int(valid.sum()) - c.filled
-        c.invalid = int((~valid).sum())
-        vs, counts = np.unique(_row_versions(r)[rows[valid]].astype(str), return_counts=True)
-        c.versions.update(dict(zip(vs.tolist(), counts.tolist(), strict=True)))
-        versions.update(c.versions)
-        totals.update({"replayed": c.replayed, "filled": c.filled, "invalid": c.invalid})
-        per.append(c)
+        name = _route_name(ri, r, route_ids)
+        at = rec_idx == ri
+        rows, smp = tok_idx[at], smp_idx[at]
+        total = RecordCoverage(ri, name)
+        for si in np.unique(smp).tolist():
+            c = _read_coverage(ri, name, r, rows[smp == si])
+            by_sample.setdefault(si, []).append(c)
+            total.add(c)
+        per.append(total)
+    totals = RecordCoverage(-1, "")
+    for c in per:
+        totals.add(c)
+    ids, counts = np.unique(smp_idx[smp_idx >= 0], return_counts=True)
+    samples = [
+        SampleCoverage(s, n, by_sample.get(s, []))
+        for s, n in zip(ids.tolist(), counts.tolist(), strict=True)
+    ]
     return BatchCoverage(
         positions=int(rec_idx.size),
-        replayed=totals["replayed"],
-        filled=totals["filled"],
-        invalid=totals["invalid"],
+        replayed=totals.replayed,
+        filled=totals.filled,
+        invalid=totals.invalid,
         no_route=int((rec_idx < 0).sum()),
-        versions=versions,
+        versions=totals.versions,
         records=per,
         layers=tuple(int(x) for x in layers),
+        missing=totals.missing,
+        samples=samples,
     )
 
 
@@ -152,9 +220,15 @@ def _step(version: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+OnViolation = Literal["raise", "drop", "own_routing"]
+"""What :meth:`ReplayPolicy.decide` does with a sample that breaks the policy."""
+
+Violation = tuple[str, str]  # (kind, message)
+
+
 @dataclass(frozen=True)
 class ReplayPolicy:
-    """When a batch may train (fail closed: :meth:`check` raises, naming the records).
+    """Which samples may replay their routes, and what happens to the others.
 
     Attributes:
         require_version: every replayed or filled row must come from these weights.
@@ -164,6 +238,14 @@ class ReplayPolicy:
         min_coverage: least share of each record's mapped positions that replay a real route.
         max_invalid_rows: most positions of one record that get fillers (the final sampled token
             of a sample is one).
+        on_violation: what :meth:`decide` does with a sample that breaks the policy: ``"raise"``
+            (fail closed: :class:`ReplayPolicyError` for the batch, naming every record at
+            fault), ``"drop"`` (the sample leaves the batch: :attr:`ReplayReport.kept`,
+            :attr:`ReplayReport.loss_mask`) or ``"own_routing"`` (replay is off at the sample's
+            positions and the trainer's router chooses their experts:
+            ``gather_targets(..., own_routing=report.own_routing)``).
+
+    A record the store did not have (``None`` in the record list) always breaks the policy.
     """
 
     require_version: str | None = None
@@ -172,45 +254,119 @@ class ReplayPolicy:
     allow_unknown_version: bool = True
     min_coverage: float = 0.0
     max_invalid_rows: int | None = None
+    on_violation: OnViolation = "raise"
+
+    def __post_init__(self) -> None:
+        if self.on_violation not in get_args(OnViolation):
+            raise ValueError(
+                f"on_violation must be one of {get_args(OnViolation)}, not {self.on_violation!r}"
+            )
 
     def check(self, cov: BatchCoverage) -> None:
-        problems: list[str] = []
-        now = None
-        if self.max_staleness is not None:
-            if self.current_version is None or _step(self.current_version) is None:
-                raise ReplayPolicyError(
-                    "max_staleness needs current_version with a trailing step number, e.g. "
-                    f"'step-12' (got {self.current_version!r})"
-                )
-            now = _step(self.current_version)
-        for c in cov.records:
-            for v, n in c.versions.items():
-                if v == UNKNOWN:
-                    if not self.allow_unknown_version or self.require_version is not None:
-                        problems.append(f"{c.route}: {n} rows from unknown weights")
-                    continue
-                if self.require_version is not None and v != self.require_version:
-                    problems.append(
-                        f"{c.route}: {n} rows from weights {v!r}, required {self.require_version!r}"
-                    )
-                if now is not None:
-                    step = _step(v)
-                    if step is None or now - step > self.max_staleness:
-                        problems.append(
-                            f"{c.route}: {n} rows from weights {v!r}, more than "
-                            f"{self.max_staleness} versions behind {self.current_version!r}"
-                        )
-            if c.mapped and (c.replayed + c.filled) / c.mapped < self.min_coverage:
-                problems.append(
-                    f"{c.route}: coverage {(c.replayed + c.filled) / c.mapped:.3f} below "
-                    f"{self.min_coverage}"
-                )
-            if self.max_invalid_rows is not None and c.invalid > self.max_invalid_rows:
-                problems.append(
-                    f"{c.route}: {c.invalid} positions without a route (fillers), at most "
-                    f"{self.max_invalid_rows} allowed"
-                )
+        """Raise :class:`ReplayPolicyError` if any record of the batch breaks the policy (over
+        all the positions that read it), naming each one; whatever ``on_violation`` says."""
+        now = self._now()
+        problems = [msg for c in cov.records for _, msg in self._violations(c, now)]
         if problems:
             shown = "; ".join(problems[:10])
             more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
             raise ReplayPolicyError(f"batch refused by the replay policy: {shown}{more}")
+
+    def decide(
+        self,
+        pmap: PositionMap,
+        records: Sequence[RouteRecord | None],
+        layers: Sequence[int] = (),
+        *,
+        route_ids: Sequence[str] | None = None,
+    ) -> ReplayReport:
+        """Judge every sample of the batch ``pmap`` (the unsliced map: every rank of the batch
+        decides alike) and return the :class:`ReplayReport`.
+
+        A sample breaks the policy when a record it reads breaks it over the positions the
+        sample reads there. ``"raise"``: :meth:`check` over the whole batch, as one error.
+        ``records``, ``layers`` and ``route_ids`` are :func:`batch_coverage`'s.
+        """
+        cov = batch_coverage(pmap, records, layers, route_ids=route_ids)
+        if self.on_violation == "raise":
+            self.check(cov)
+            return ReplayReport.of(pmap, cov, (), self.on_violation)
+        now = self._now()
+        decisions = []
+        for sc in cov.samples:
+            found = [v for c in sc.records for v in self._violations(c, now)]
+            if found:
+                decisions.append(
+                    SampleDecision(
+                        sample=sc.sample,
+                        action=self.on_violation,
+                        records=tuple(c.record for c in sc.records),
+                        routes=tuple(c.route for c in sc.records),
+                        kinds=tuple(dict.fromkeys(k for k, _ in found)),
+                        reasons=tuple(msg for _, msg in found),
+                        rows=sc.rows,
+                    )
+                )
+        return ReplayReport.of(pmap, cov, tuple(decisions), self.on_violation)
+
+    def _now(self) -> int | None:
+        """``current_version``'s step when staleness is bounded."""
+        if self.max_staleness is None:
+            return None
+        now = None if self.current_version is None else _step(self.current_version)
+        if now is None:
+            raise ReplayPolicyError(
+                "max_staleness needs current_version with a trailing step number, e.g. "
+                f"'step-12' (got {self.current_version!r})"
+            )
+        return now
+
+    def _violations(self, c: RecordCoverage, now: int | None) -> list[Violation]:
+        """How the positions counted in ``c`` break the policy: ``(kind, message)`` each."""
+        if c.missing:
+            return [("missing", f"{c.route}: no route record ({c.missing} positions)")]
+        out = self._version_violations(c, now)
+        if c.mapped and (c.replayed + c.filled) / c.mapped < self.min_coverage:
+            out.append(
+                (
+                    "coverage",
+                    f"{c.route}: coverage {(c.replayed + c.filled) / c.mapped:.3f} below "
+                    f"{self.min_coverage}",
+                )
+            )
+        if self.max_invalid_rows is not None and c.invalid > self.max_invalid_rows:
+            out.append(
+                (
+                    "invalid_rows",
+                    f"{c.route}: {c.invalid} positions without a route (fillers), at most "
+                    f"{self.max_invalid_rows} allowed",
+                )
+            )
+        return out
+
+    def _version_violations(self, c: RecordCoverage, now: int | None) -> list[Violation]:
+        out: list[Violation] = []
+        for v, n in c.versions.items():
+            if v == UNKNOWN:
+                if not self.allow_unknown_version or self.require_version is not None:
+                    out.append(("unknown_version", f"{c.route}: {n} rows from unknown weights"))
+                continue
+            if self.require_version is not None and v != self.require_version:
+                out.append(
+                    (
+                        "version",
+                        f"{c.route}: {n} rows from weights {v!r}, required "
+                        f"{self.require_version!r}",
+                    )
+                )
+            if now is not None:
+                step = _step(v)
+                if step is None or now - step > self.max_staleness:  # type: ignore[operator]
+                    out.append(
+                        (
+                            "staleness",
+                            f"{c.route}: {n} rows from weights {v!r}, more than "
+                            f"{self.max_staleness} versions behind {self.current_version!r}",
+                        )
+                    )
+        return out

@@ -74,9 +74,20 @@ class SampleMap:
         )
 
 
-def sample_from_record(index: int, record: RouteRecord, *, length: int | None = None) -> SampleMap:
+def sample_from_record(
+    index: int, record: RouteRecord | None, *, length: int | None = None
+) -> SampleMap:
     """A sample that is exactly record ``index``'s tokens (prompt + completion), position ``i`` ->
-    row ``i``. ``length`` truncates it (or extends it with no-route tokens)."""
+    row ``i``. ``length`` truncates it (or extends it with no-route tokens).
+
+    ``record=None``: the store did not have the record (``get_many(..., missing_ok=True)``);
+    ``length`` is then the sample's length, its positions point at record ``index`` and get
+    fillers, and a :class:`ReplayPolicy` counts them as missing.
+    """
+    if record is None:
+        if length is None:
+            raise RouteAlignmentError(f"record {index} is missing: pass the sample's length=")
+        return SampleMap(np.full(length, index, np.int32), np.arange(length, dtype=np.int32))
     T = record.num_tokens
     sm = SampleMap(np.full(T, index, np.int32), np.arange(T, dtype=np.int32))
     return sm if length is None else sm.resized(length)
@@ -100,6 +111,7 @@ def shared_prefix_sample(
     """
     if not indices:
         raise RouteAlignmentError(f"sample {sample}: shared-prefix sample needs >= 1 record")
+    _require_present(sample, indices, records)
     first = records[indices[0]]
     P = first.prompt_len if prompt_len is None else prompt_len
     ref = first.token_ids[:P]
@@ -125,6 +137,18 @@ def shared_prefix_sample(
         rec_parts.append(np.full(n, i, np.int32))
         tok_parts.append(np.arange(P, P + n, dtype=np.int32))
     return SampleMap(np.concatenate(rec_parts), np.concatenate(tok_parts))
+
+
+def _require_present(
+    sample: int, indices: Sequence[int], records: Sequence[RouteRecord | None]
+) -> None:
+    """Samples built from several records need each one's tokens."""
+    gone = [i for i in indices if records[i] is None]
+    if gone:
+        raise RouteAlignmentError(
+            f"sample {sample}: records {gone} are missing; build a sample whose record is "
+            "missing with sample_from_record(i, None, length=...)"
+        )
 
 
 def _check_prefix(sample: int, got: np.ndarray, want: np.ndarray, detail: str) -> None:
@@ -160,6 +184,7 @@ def multi_turn_sample(
         raise RouteAlignmentError(f"prefer must be 'first' or 'last', got {prefer!r}")
     if not indices:
         raise RouteAlignmentError(f"sample {sample}: multi-turn sample needs >= 1 record")
+    _require_present(sample, indices, records)
     lens = [records[i].num_tokens for i in indices]
     longest = int(np.argmax(lens))
     L = lens[longest]
@@ -307,10 +332,10 @@ class PositionMap:
         return pm.sp_shard(tp_size, tp_rank) if sequence_parallel else pm
 
     # -- checks -----------------------------------------------------------------------------------
-    def check_tokens(self, records: Sequence[RouteRecord], input_ids: np.ndarray) -> None:
+    def check_tokens(self, records: Sequence[RouteRecord | None], input_ids: np.ndarray) -> None:
         """Raise :class:`TokenMismatchError` at the first position whose record token id differs
         from the trainer's ``input_ids`` (``[B, S]`` int, same shape as the map, or ``[S]`` when
-        ``B = 1``)."""
+        ``B = 1``). Positions of missing records (``None``) have no token to compare."""
         ids = np.asarray(input_ids)
         if ids.ndim == 1:
             ids = ids[None, :]
@@ -324,6 +349,8 @@ class PositionMap:
         if self._few_runs():
             for a, b in self.runs:
                 ri, t0 = int(rec[a]), int(tok[a])
+                if records[ri] is None:
+                    continue
                 got = records[ri].token_ids[t0 : t0 + b - a]
                 if got.shape[0] != b - a:
                     break  # rows past the record's end: left to the check below, as before
@@ -334,7 +361,8 @@ class PositionMap:
             else:
                 return
         all_tok, offs = _concat_tokens(records)
-        mapped = self.record >= 0
+        present = np.array([r is not None for r in records] + [False])
+        mapped = present[np.where(self.record >= 0, self.record, len(records))]
         got = all_tok[offs[self.record[mapped]] + self.token[mapped]]
         want = ids[mapped]
         bad = np.flatnonzero(got != want)
@@ -356,18 +384,22 @@ class PositionMap:
         )
 
 
-def _concat_tokens(records: Sequence[RouteRecord]) -> tuple[np.ndarray, np.ndarray]:
-    lens = np.array([r.num_tokens for r in records], dtype=np.int64)
+def _concat_tokens(records: Sequence[RouteRecord | None]) -> tuple[np.ndarray, np.ndarray]:
+    lens = np.array([0 if r is None else r.num_tokens for r in records], dtype=np.int64)
     offs = np.zeros(len(records) + 1, np.int64)
     np.cumsum(lens, out=offs[1:])
-    toks = [r.token_ids for r in records]
+    toks = [r.token_ids for r in records if r is not None]
     all_tok = np.concatenate(toks) if toks else np.zeros(0, np.int64)
     return all_tok, offs
 
 
-def _check_rows(samples: Sequence[SampleMap], records: Sequence[RouteRecord]) -> None:
-    """Every mapped row must exist in its record (an out-of-range row would read garbage)."""
-    lens = np.array([r.num_tokens for r in records] + [0], dtype=np.int64)
+def _check_rows(samples: Sequence[SampleMap], records: Sequence[RouteRecord | None]) -> None:
+    """Every mapped row must exist in its record (an out-of-range row would read garbage; a
+    missing record has no rows to read)."""
+    unbounded = np.iinfo(np.int64).max
+    lens = np.array(
+        [unbounded if r is None else r.num_tokens for r in records] + [0], dtype=np.int64
+    )
     for i, sm in enumerate(samples):
         m = sm.record >= 0
         if not m.any():
@@ -401,7 +433,7 @@ def thd_position_map(
     cu_seqlens: np.ndarray | Sequence[int],
     *,
     cu_seqlens_padded: np.ndarray | Sequence[int] | None = None,
-    records: Sequence[RouteRecord] | None = None,
+    records: Sequence[RouteRecord | None] | None = None,
 ) -> PositionMap:
     """Position map of a THD (padding-free) pack: ``[1, T]``.
 
@@ -445,7 +477,7 @@ def padded_position_map(
     *,
     padding_side: Literal["right", "left"] = "right",
     lengths: Sequence[int] | None = None,
-    records: Sequence[RouteRecord] | None = None,
+    records: Sequence[RouteRecord | None] | None = None,
 ) -> PositionMap:
     """Position map of a padded batch ``[B = len(samples), S = seq_len]``.
 

@@ -12,7 +12,7 @@ import itertools
 import os
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -63,6 +63,9 @@ class ReplayTargets:
         pinned: the page-locked host tensor that ``experts`` views (``gather_targets(...,
             pin_memory=True)``), or None. :meth:`to_torch` then copies it to the GPU as it is,
             without first staging the rows in page-locked memory on the calling thread.
+        replay_mask: ``[N]`` bool in the same order, False at the rows whose experts the
+            trainer's router chooses (``gather_targets(..., own_routing=...)``); None when every
+            row replays. :class:`RouterReplayer` installs it with the targets.
     """
 
     layers: tuple[int, ...]
@@ -71,6 +74,7 @@ class ReplayTargets:
     filler_rows: int = 0
     valid: np.ndarray | None = None
     pinned: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    replay_mask: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.experts.ndim != 3 or self.experts.shape[0] != len(self.layers):
@@ -78,6 +82,11 @@ class ReplayTargets:
                 f"experts must be [M={len(self.layers)}, N, K], got {self.experts.shape}"
             )
         p = self.pinned
+        m = self.replay_mask
+        if m is not None and (m.dtype != np.bool_ or m.shape != (self.experts.shape[1],)):
+            raise TargetShapeError(
+                f"replay_mask must be [N={self.experts.shape[1]}] bool, got {m.shape} {m.dtype}"
+            )
         if p is not None and (
             tuple(p.shape) != self.experts.shape
             # (empty arrays have no address to compare)
@@ -113,8 +122,18 @@ class ReplayTargets:
                 f"no targets for layers {missing}; targets cover layers {list(self.layers)}"
             )
         return ReplayTargets(
-            tuple(layers), self.experts[idx], self.num_experts, self.filler_rows, self.valid
+            tuple(layers),
+            self.experts[idx],
+            self.num_experts,
+            self.filler_rows,
+            self.valid,
+            replay_mask=self.replay_mask,
         )
+
+    @property
+    def own_rows(self) -> int:
+        """Rows whose experts the trainer's router chooses."""
+        return 0 if self.replay_mask is None else int((~self.replay_mask).sum())
 
     def to_torch(
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
@@ -270,7 +289,7 @@ def _never_lent() -> None:
 
 def gather_targets(
     pmap: PositionMap,
-    records: Sequence[RouteRecord],
+    records: Sequence[RouteRecord | None],
     layers: Sequence[int],
     *,
     num_experts: int | None = None,
@@ -278,12 +297,14 @@ def gather_targets(
     input_ids: np.ndarray | None = None,
     pin_memory: bool = False,
     buffers: TargetBuffers | None = None,
+    own_routing: Collection[int] = (),
 ) -> ReplayTargets:
     """Copy each mapped position's expert rows out of ``records`` for the MoE ``layers``.
 
     Args:
         pmap: this rank's position map ``[B, S]`` (already CP/SP-sliced).
-        records: the records the map's indices point into.
+        records: the records the map's indices point into; ``None`` for a record the store did
+            not have (its positions get fillers).
         layers: global 0-based MoE layer indices of this rank's routers (pipeline stage / VPP
             chunks); each must be among every used record's ``moe_layers``.
         num_experts, top_k: the model's; default the records'. Needed when no record is used.
@@ -300,10 +321,13 @@ def gather_targets(
         buffers: write the targets into memory recycled from earlier steps
             (:class:`TargetBuffers`), which is never memory that earlier targets still in use
             refer to. Without it (and without ``pin_memory``) the targets are fresh memory.
+        own_routing: samples (:attr:`PositionMap.sample`) whose experts the trainer's router
+            chooses, :attr:`ReplayReport.own_routing`: their rows are False in
+            :attr:`ReplayTargets.replay_mask`.
 
     Returns:
         :class:`ReplayTargets` with ``[M, B*S, K]`` rows in sequence-major order (``s * B + b``),
-        fillers at no-route positions and at the records' invalid rows.
+        fillers at no-route positions, at the records' invalid rows and at missing records.
 
     Copies are memcpy runs: consecutive positions reading consecutive rows of one record are one
     strided copy of all layers at once per part of the record (a record read from a store is
@@ -316,12 +340,13 @@ def gather_targets(
             "are recycled by torch's caching host allocator already)"
         )
     layers = tuple(int(x) for x in layers)
-    used = pmap.used_records
+    used = np.array([ri for ri in pmap.used_records.tolist() if records[ri] is not None], np.int32)
     if num_experts is None or top_k is None:
         # From any record, used or not: a rank's slice may be all padding.
-        if not len(records):
+        present = [r for r in records if r is not None]
+        if not present:
             raise RouteLayerMismatchError("no records given: pass num_experts and top_k")
-        r0 = records[int(used[0])] if used.size else records[0]
+        r0 = records[int(used[0])] if used.size else present[0]
         num_experts = r0.num_experts if num_experts is None else num_experts
         top_k = r0.top_k if top_k is None else top_k
     dt = expert_dtype(num_experts)
@@ -378,6 +403,8 @@ def gather_targets(
                 if s >= e:
                     continue
                 ri = int(rec[s])
+                if ri not in parts_of:
+                    continue  # a missing record: fillers
                 firsts, arrs = parts_of[ri]
                 t0, t1 = int(tok[s]), int(tok[s]) + (e - s)
                 routed[s:e] = records[ri].valid[t0:t1]
@@ -392,6 +419,7 @@ def gather_targets(
             pmap.position.reshape(-1)[fill_idx], num_experts, top_k, dt
         )[None]
     valid = ~none
+    replay = _replay_mask(pmap, own_routing)
     if B > 1:  # [M, B, S, K] -> [M, S, B, K]: Megatron's router flattens [S, B] sequence-major
         by_seq = out.reshape(M, B, S, top_k).transpose(0, 2, 1, 3)
         pinned = _empty(M * N * top_k, dt, pin_memory)
@@ -400,9 +428,20 @@ def gather_targets(
         np.copyto(flat.reshape(M, S, B, top_k), by_seq)
         out = flat.reshape(M, N, top_k)
         valid = np.ascontiguousarray(valid.reshape(B, S).T).reshape(N)
+        if replay is not None:
+            replay = np.ascontiguousarray(replay.reshape(B, S).T).reshape(N)
     if pinned is not None:
         pinned = pinned.view(M, N, top_k)
-    return ReplayTargets(layers, out, num_experts, int(fill_idx.size), valid, pinned)
+    return ReplayTargets(layers, out, num_experts, int(fill_idx.size), valid, pinned, replay)
+
+
+def _replay_mask(pmap: PositionMap, own_routing: Collection[int]) -> np.ndarray | None:
+    """``[B*S]`` batch-major, False at the positions of the ``own_routing`` samples; None when
+    this rank holds none of them (nothing to install)."""
+    if not len(own_routing):
+        return None
+    own = np.isin(pmap.sample.reshape(-1), np.fromiter(own_routing, np.int64))
+    return ~own if own.any() else None
 
 
 def _cuts(
