@@ -12,6 +12,10 @@ entry silently disables replay. Each router is matched to its targets by its glo
 Per micro-batch: targets + REPLAY_FORWARD before the forward, REPLAY_BACKWARD right after, so
 activation recompute during backward pops this micro-batch's targets (RouterReplay keeps a FIFO
 per router; 1F1B runs backwards in forward order). Everything is cleared at each step boundary.
+
+Rows a :class:`ReplayPolicy` hands to the trainer's router (``own_routing``) ride on the target
+tensor itself, so the FIFO gives recompute the same rows as the forward; the forward's choice at
+those rows replaces the queued target, so recompute repeats it rather than choosing again.
 """
 
 from __future__ import annotations
@@ -47,6 +51,31 @@ def _action(rr: ReplayState) -> str | None:
     """The router's replay action by value (either path's enum)."""
     a = rr.router_replay_action
     return None if a is None else a.value
+
+
+# Attribute of an installed target tensor: ``[N]`` bool on its device, True at the rows whose
+# experts the router chooses itself. On the tensor, not beside it: RouterReplay queues the very
+# tensor for recompute, so the mask cannot drift from its micro-batch.
+_OWN_ROWS = "_routereplay_own_rows"
+
+
+def _queued(rr: ReplayState, act: str | None) -> torch.Tensor | None:
+    """The target this call of the router replays, read before RouterReplay pops it."""
+    if act == "replay_forward":
+        return rr.target_topk_idx
+    if act == "replay_backward" and rr.replay_backward_list:
+        return rr.replay_backward_list[0]
+    return None
+
+
+def _requeue(rr: ReplayState, target: torch.Tensor, chosen: torch.Tensor) -> None:
+    """Queue the forward's experts (replayed and the router's own) for recompute in place of
+    ``target``: recompute then repeats the forward's decisions exactly, even where recomputed
+    scores would differ in the last bit and tip a near tie."""
+    for i, t in enumerate(rr.replay_backward_list):
+        if t is target:
+            rr.replay_backward_list[i] = chosen.detach()
+            return
 
 
 __all__ = [
@@ -275,24 +304,38 @@ class RouterReplayer:
         self.shadow = shadow
         self._shadow_acc: dict[int, torch.Tensor] = {}
         self._shadow_valid: dict[int, torch.Tensor | None] = {}
-        if shadow:
-            for s in self.slots:
-                self._wrap_topk(s)
-        self._shadow_wrapped = shadow
+        for s in self.slots:
+            self._wrap_topk(s)
 
-    # -- shadow diagnostics ----------------------------------------------------------------------
+    # -- the router's own top-k: own_routing rows and shadow diagnostics -------------------------
     def _wrap_topk(self, slot: RouterSlot) -> None:
         rr = slot.replay
         original = rr.get_replay_topk  # the bound method; the wrapper shadows it on the instance
 
         def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default=None):  # type: ignore[no-untyped-def]
-            out = original(scores, topk, num_groups, group_topk, default)
-            if self.shadow and _action(rr) == "replay_forward" and default is not None:
-                with torch.no_grad():
-                    _, own = default(scores.detach(), topk, num_groups=num_groups,
-                                     group_topk=group_topk)  # fmt: skip
-                    self._shadow_count(slot, own, out[1])
-            return out
+            act = _action(rr)
+            target = _queued(rr, act)
+            own_rows = getattr(target, _OWN_ROWS, None)
+            probs, idx = original(scores, topk, num_groups, group_topk, default)
+            shadow = self.shadow and act == "replay_forward"
+            if own_rows is None and not shadow:
+                return probs, idx
+            if default is None:
+                raise ReplayConfigError(
+                    f"layer {slot.layer_number} ({slot.name}): the router's top-k function was "
+                    "not given to the replay state; its own choice cannot be computed"
+                )
+            with torch.no_grad():
+                _, own = default(scores.detach(), topk, num_groups=num_groups,
+                                 group_topk=group_topk)  # fmt: skip
+            if own_rows is not None:
+                idx = torch.where(own_rows.unsqueeze(1), own.to(idx.dtype), idx)
+                probs = scores.gather(1, idx)  # gradients reach the router at every row
+                if act == "replay_forward":
+                    _requeue(rr, target, idx)
+            if shadow:
+                self._shadow_count(slot, own, idx)
+            return probs, idx
 
         rr.get_replay_topk = get_replay_topk
 
@@ -432,7 +475,12 @@ class RouterReplayer:
                     f"{self.slots[0].num_experts}"
                 )
             stacked = targets.select(want).to_torch(dev, self.dtype)
-            return list(stacked.unbind(0))
+            per = list(stacked.unbind(0))
+            if targets.replay_mask is not None:
+                own = torch.from_numpy(~targets.replay_mask).to(dev)
+                for t in per:
+                    setattr(t, _OWN_ROWS, own)
+            return per
         if isinstance(targets, Mapping):
             missing = sorted(set(want) - set(targets))
             if missing:
@@ -519,10 +567,15 @@ class RouterReplayer:
 
         ``model``: the chunk ``forward_step`` was called with (required with virtual pipeline,
         where each call runs one chunk); ``targets`` may cover more layers than it holds.
+        Rows that :attr:`ReplayTargets.replay_mask` marks False take the router's own top-k of
+        the forward's scores; recompute repeats the experts the forward chose there.
         """
         self.set_targets(targets, model=model, **kwargs)
         if self.shadow:
             valid = getattr(targets, "valid", None)
+            replay = getattr(targets, "replay_mask", None)
+            if valid is not None and replay is not None:
+                valid = valid & replay  # the router's own rows agree with themselves
             mask = None if valid is None else torch.from_numpy(valid).to(self.device)
             for s in self.slots_of(model):
                 self._shadow_valid[s.layer] = mask

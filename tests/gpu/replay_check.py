@@ -15,6 +15,14 @@ for sequence parallel; THD context parallel uses the TE index order, reimplement
 absent). Forward hooks on every router compare its routing_map with that truth, in the forward and
 in the recompute; hooks on the experts compare tokens per expert (summed over the expert group).
 
+``--policy own_routing|drop``: record 0 comes from stale weights and a fifth sample's record is
+missing from the store; a :class:`ReplayPolicy` decides per sample. ``own_routing``: the hooks
+prove that every row of those samples took the router's own top-k of the forward's scores, that
+replayed rows kept their routes, that recompute repeated the forward's choices, and (without
+pipeline parallel) that a forward without replay chose the same experts there. ``drop``: the
+loss mask is False exactly at the dropped samples' positions, and the batch re-packed from the
+kept samples replays every row.
+
 Each rank prints ``RESULT {json}`` and exits 1 on any mismatch. Launch:
     python tests/gpu/replay_check.py --device cpu                          # world size 1
     python -m torch.distributed.run --nproc-per-node 2 tests/gpu/replay_check.py --tp 2 --sp
@@ -25,13 +33,13 @@ shared/notes/megatron-router-replay.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import socket
 import sys
 import time
-from typing import ClassVar
 
 import numpy as np
 import torch
@@ -145,9 +153,11 @@ class _GatherCP(torch.autograd.Function):
 class PackedCausalAttention(torch.nn.Module):
     """Core attention for tests: causal within each packed sequence, keys gathered over the CP
     group, masked by true (sequence id, position). Replaces DotProductAttention, which refuses THD
-    and context parallel without Transformer Engine. Routing does not depend on it being fast."""
+    and context parallel without Transformer Engine. Routing does not depend on it being fast.
 
-    SEQ: ClassVar[dict] = {}  # "seq", "pos": [B, S_local] int tensors of this rank's query rows
+    The sequence ids and positions of this rank's query rows come as the ``attention_mask``
+    argument, ``[B, 2, S_local]`` int (:func:`seq_mask`): activation checkpointing saves it with
+    the layer's inputs, so a recompute attends as its own micro-batch's forward did."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, *args, **kwargs):
         super().__init__()
@@ -157,7 +167,7 @@ class PackedCausalAttention(torch.nn.Module):
     def forward(self, query, key, value, attention_mask, *args, **kwargs):
         from megatron.core import parallel_state as ps
 
-        seq, pos = self.SEQ["seq"], self.SEQ["pos"]  # [B, Sq]
+        seq, pos = attention_mask[:, 0], attention_mask[:, 1]  # [B, Sq]
         kseq, kpos = seq, pos
         if ps.get_context_parallel_world_size() > 1:
             g = ps.get_context_parallel_group()
@@ -175,6 +185,11 @@ class PackedCausalAttention(torch.nn.Module):
         probs = torch.softmax(scores.float(), -1).to(query.dtype)
         out = torch.einsum("bnst,tbnh->sbnh", probs, value)
         return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+def seq_mask(seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The ``attention_mask`` :class:`PackedCausalAttention` reads: ``[B, 2, S]``."""
+    return torch.stack([seq, pos], 1)
 
 
 class SPNorm:
@@ -213,8 +228,14 @@ def _patch_spec(obj, mapping: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 # records and batches
 # ---------------------------------------------------------------------------------------------
-def make_records(seed: int):
-    """Records as vLLM returns them: [T-1, L, K] with the dense layer all zero."""
+# --policy: the weights the trainer is at; record STALE comes from older ones, record MISSING
+# (a fifth sample) is not in the store.
+CURRENT, STALE, MISSING = "step-5", 0, 6
+
+
+def make_records(seed: int, policy: bool = False):
+    """Records as vLLM returns them: [T-1, L, K] with the dense layer all zero. ``policy``:
+    weight versions on every record (record STALE's two behind) and a seventh record, MISSING."""
     from routereplay.client._record import RouteRecord
 
     rng = np.random.default_rng(seed)
@@ -225,6 +246,8 @@ def make_records(seed: int):
         arr = np.zeros((R, NUM_LAYERS, K), np.int64)
         for layer in MOE_LAYERS:
             arr[:, layer] = np.argsort(rng.random((R, E)), axis=1)[:, :K]
+        version = "step-3" if policy and not made else CURRENT
+        made.append(T)
         r = RouteRecord.from_engine(
             arr,
             tokens,
@@ -233,6 +256,7 @@ def make_records(seed: int):
             moe_layers=MOE_LAYERS,
             num_layers=NUM_LAYERS,
             model="tiny-moe",
+            weight_versions=((version, 0, T),) if policy else (),
         )
         if invalid_extra:  # rows an engine could not return (e.g. a lost prefix-cache hit)
             r.valid[1 : 1 + invalid_extra] = False
@@ -241,15 +265,20 @@ def make_records(seed: int):
     def toks(n: int) -> np.ndarray:
         return rng.integers(1, V, n)
 
+    made: list[int] = []
     recs = [rec(toks(int(rng.integers(9, 20))), 4), rec(toks(int(rng.integers(5, 12))), 3, 2)]
     prompt = toks(6)  # GRPO group: one prompt, two completions
     recs += [rec(np.concatenate([prompt, toks(5)]), 6), rec(np.concatenate([prompt, toks(8)]), 6)]
     t1 = toks(10)  # multi-turn: turn 2 re-sends turn 1 and adds a tool reply + completion
     recs += [rec(t1, 5), rec(np.concatenate([t1, toks(9)]), 15)]
+    if policy:
+        recs.append(rec(toks(int(rng.integers(6, 12))), 3))
     return recs
 
 
-def sample_maps(recs):
+def sample_maps(recs, missing_tokens=None):
+    """The samples and the trainer's token ids. ``missing_tokens``: a fifth sample, record
+    MISSING's, whose record the store does not have (``recs[MISSING] is None``)."""
     from routereplay.trainer_adapter import (
         multi_turn_sample,
         sample_from_record,
@@ -269,6 +298,9 @@ def sample_maps(recs):
         np.concatenate([recs[2].token_ids, recs[3].token_ids[recs[3].prompt_len :]]),
         recs[5].token_ids,
     ]
+    if missing_tokens is not None:
+        samples.append(sample_from_record(MISSING, None, length=len(missing_tokens)))
+        tokens.append(missing_tokens)
     return samples, tokens
 
 
@@ -283,24 +315,27 @@ def truth_experts(pm, recs) -> np.ndarray:
     out = np.zeros((len(MOE_LAYERS), rec.size, K), np.int64)
     for p in range(rec.size):
         r = int(rec[p])
-        if r >= 0 and recs[r].valid[tok[p]]:
+        if r >= 0 and recs[r] is not None and recs[r].valid[tok[p]]:
             out[:, p] = recs[r].experts[tok[p]]  # all records carry MOE_LAYERS in order
         else:
             out[:, p] = filler_experts(np.array([pos[p]]), E, K)[0]
     return out
 
 
-def build_batch(args, recs, mb: int):
-    """Global (unsliced) batch of micro-batch ``mb``: position map, tokens, positions, seq ids."""
+def build_batch(args, recs, mb: int, missing_tokens=None, keep=None):
+    """Global (unsliced) batch of micro-batch ``mb``: position map, tokens, positions, seq ids.
+    ``keep``: re-pack only these samples (a ReplayReport's ``kept``)."""
     from routereplay.trainer_adapter import padded_position_map, thd_position_map
 
-    samples, tokens = sample_maps(recs)
+    samples, tokens = sample_maps(recs, missing_tokens)
     # Every micro-batch packs the samples in another order (rotated, reversed on odd ones), so
     # replaying micro-batch i's targets for micro-batch j != i shows up as wrong rows.
     r = mb % len(samples)
     samples, tokens = samples[r:] + samples[:r], tokens[r:] + tokens[:r]
     if (mb // len(samples)) % 2:
         samples, tokens = samples[::-1], tokens[::-1]
+    if keep is not None:
+        samples, tokens = [samples[i] for i in keep], [tokens[i] for i in keep]
     mult = 2 * args.cp * args.tp
     if args.layout == "thd":
         lens = np.array([len(t) for t in tokens])
@@ -459,9 +494,10 @@ def adopt_records(args) -> list:
     return recs
 
 
-def fetch_records(args, recs, dp_rank: int = 0):
+def fetch_records(args, recs, dp_rank: int = 0, missing: int | None = None):
     """Round trip through Redis (RouteStore.get_many) or, without Redis, the codec. Ids carry
-    the data-parallel rank: replicas hold different records, and shared ids would race."""
+    the data-parallel rank: replicas hold different records, and shared ids would race.
+    ``missing``: that record is never stored, and comes back None."""
     if args.route_ids:
         return recs, "engine"
     ids = [f"check-{args.seed}-dp{dp_rank}-{i}" for i in range(len(recs))]
@@ -469,15 +505,19 @@ def fetch_records(args, recs, dp_rank: int = 0):
         from routereplay.client import RouteStore
 
         store = RouteStore.from_url(args.redis_url, prefix=f"rrcheck{args.seed}")
-        for i, r in zip(ids, recs, strict=True):
-            store.put(i, r)
+        for j, (i, r) in enumerate(zip(ids, recs, strict=True)):
+            if j != missing:
+                store.put(i, r)
         dist.barrier()
-        got = store.get_many(ids)
+        got = store.get_many(ids, missing_ok=missing is not None)
         store.close()
         return got, "redis"
     from routereplay.client._codec import decode_record, encode_record
 
-    return [decode_record(encode_record(r)) for r in recs], "codec"
+    got = [decode_record(encode_record(r)) for r in recs]
+    if missing is not None:
+        got[missing] = None
+    return got, "codec"
 
 
 def main(argv=None) -> int:
@@ -509,6 +549,15 @@ def main(argv=None) -> int:
     p.add_argument(
         "--no-cuda", action="store_true",
         help="make every torch.cuda call from routereplay's code raise (device-agnostic proof)",
+    )  # fmt: skip
+    p.add_argument(
+        "--policy", default="none", choices=["none", "own_routing", "drop"],
+        help="a stale and a missing record, and ReplayPolicy(on_violation=...) per sample",
+    )  # fmt: skip
+    p.add_argument(
+        "--perturb-router", action="store_true",
+        help="change the router weights between the forwards and the backwards (restored "
+        "after): a recompute choosing afresh would choose other experts",
     )  # fmt: skip
     args = p.parse_args(argv)
     t_start = time.time()
@@ -588,11 +637,13 @@ def main(argv=None) -> int:
     mine = [MOE_LAYERS.index(x) for x in replayer.layers]  # this rank's rows of the truth
 
     dp_rank = ps.get_data_parallel_rank()
+    policy = args.policy != "none"
     if adopted is not None:  # records from a real engine, same data on every replica
         recs = adopted
-    else:
-        recs = make_records(args.seed + 1000 * dp_rank)  # each data-parallel replica its own data
-    recs, source = fetch_records(args, recs, dp_rank)
+    else:  # each data-parallel replica its own data
+        recs = make_records(args.seed + 1000 * dp_rank, policy=policy)
+    missing_tokens = recs[MISSING].token_ids if policy else None  # the trainer has its tokens
+    recs, source = fetch_records(args, recs, dp_rank, missing=MISSING if policy else None)
     result["records_from"] = source
 
     # ---- per micro-batch: align, slice, truth --------------------------------------------------
@@ -600,7 +651,15 @@ def main(argv=None) -> int:
     tp_rank = ps.get_tensor_model_parallel_rank()
     mbs = []
     for mb in range(args.micro_batches):
-        pm, ids, seq, pos, cup = build_batch(args, recs, mb)
+        pm, ids, seq, pos, cup = build_batch(args, recs, mb, missing_tokens)
+        report = None
+        if policy:
+            report = decide(args, pm, recs, replayer.layers, result)
+            if args.policy == "drop":  # the caller re-packs the kept samples
+                keep = report.kept
+                pm, ids, seq, pos, cup = build_batch(args, recs, mb, missing_tokens, keep)
+                again = decide(args, pm, recs, replayer.layers)
+                result.setdefault("repacked_decisions", []).append(len(again.decisions))
         pm.check_tokens(recs, ids)
         local = pm.local(
             cp_size=args.cp,
@@ -610,11 +669,21 @@ def main(argv=None) -> int:
             sequence_parallel=args.sp,
             cu_seqlens_padded=cup,
         )
-        targets = gather_targets(local, recs, replayer.layers, pin_memory=args.pin_memory)
+        own_routing = report.own_routing if report is not None else ()
+        targets = gather_targets(
+            local, recs, replayer.layers, pin_memory=args.pin_memory, own_routing=own_routing
+        )
         assert (targets.pinned is not None) == args.pin_memory
         B, S = pm.shape
         rows = megatron_rows(args, B, S, cup)
         truth = truth_experts(pm, recs)[:, rows]  # [M_all, N_local, K]
+        # Router rows whose experts the router chooses, from the report's unsliced mask placed
+        # by Megatron's own sharding (independent of gather_targets' slicing).
+        own = np.zeros(rows.size, bool)
+        if report is not None:
+            own = ~report.replay_mask.reshape(-1)[rows]
+        got_mask = np.ones(rows.size, bool) if targets.replay_mask is None else targets.replay_mask
+        result.setdefault("replay_mask_equal", []).append(bool(np.array_equal(got_mask, ~own)))
         # the model's inputs, sharded for CP as Megatron shards them (rows of the [B, S] batch)
         cp_idx = np.arange(S)
         if args.cp > 1:
@@ -638,6 +707,7 @@ def main(argv=None) -> int:
                 pos=t(pos),
                 labels=t(np.roll(ids, -1, 1)),
                 fillers=targets.filler_rows,
+                own=torch.from_numpy(own),
             )
         )
         # installed targets must equal the truth: this is the alignment + slicing check
@@ -652,16 +722,27 @@ def main(argv=None) -> int:
 
     stats: dict = {}
     slot_of = {s.layer_number: s for s in replayer.slots}
+    # (layer number, micro-batch) -> routing_map [N, E] of the replayed forward, and of a forward
+    # without replay ("free"); the experts each router row was sent to, for the expert counts.
+    fwd_maps: dict = {}
+    free_maps: dict = {}
+    chosen: dict = {}
 
     def router_hook(slot):
         def hook(mod, inputs, output):
             act = action(slot)
+            got = output[1].detach().cpu()  # routing_map [N, E]
+            if act is None and FREE_FORWARD["mb"] is not None:
+                free_maps[(slot.layer_number, FREE_FORWARD["mb"])] = got
+                return
             if act not in ("replay_forward", "replay_backward"):
                 return
             phase = "fwd" if act == "replay_forward" else "rec"
             st = stats.setdefault(
-                slot.layer_number, {"fwd": 0, "rec": 0, "bad": 0, "calls_fwd": 0, "calls_rec": 0}
-            )
+                slot.layer_number,
+                {"fwd": 0, "rec": 0, "bad": 0, "calls_fwd": 0, "calls_rec": 0, "own": 0,
+                 "rec_differs": 0, "rec_own_topk_moved": 0},
+            )  # fmt: skip
             mb = st["calls_" + phase]
             st["calls_" + phase] += 1
             if mb >= len(mbs):  # the guard checks in _extras run extra forwards
@@ -669,12 +750,30 @@ def main(argv=None) -> int:
             exp = mbs[mb]["truth"][MOE_LAYERS.index(slot.layer)]
             want = torch.zeros(exp.shape[0], E, dtype=torch.bool)
             want.scatter_(1, torch.from_numpy(exp), True)
-            got = output[1].detach().cpu()  # routing_map [N, E]
+            own = mbs[mb]["own"]
+            if own.shape[0] == want.shape[0] and own.any():
+                # The router's own choice there: top-k of this very forward's logits (softmax
+                # after top-k, no load balancing: the top-k of the logits is the router's).
+                with torch.no_grad():
+                    logits = mod.gating(inputs[0]).reshape(-1, E).float().cpu()
+                top = torch.zeros_like(want).scatter_(1, logits.topk(K, dim=1).indices, True)
+                if phase == "fwd":
+                    want[own] = top[own]
+                    st["own"] += int(own.sum())
+                else:  # recompute repeats the forward's choice, whatever its scores say now
+                    fwd = fwd_maps[(slot.layer_number, mb)]
+                    want[own] = fwd[own]
+                    st["rec_own_topk_moved"] += int((top[own] != fwd[own]).any(1).sum())
             st[phase] += got.shape[0]
             if got.shape != want.shape:
                 st["bad"] += max(got.shape[0], want.shape[0])
-            else:
-                st["bad"] += int((got != want).any(1).sum())
+                return
+            st["bad"] += int((got != want).any(1).sum())
+            if phase == "fwd":
+                fwd_maps[(slot.layer_number, mb)] = got
+                chosen[(slot.layer_number, mb)] = got.nonzero()[:, 1].reshape(-1, K).numpy()
+            else:  # recompute repeats the forward's decisions, replayed or the router's own
+                st["rec_differs"] += int((got != fwd_maps[(slot.layer_number, mb)]).any(1).sum())
 
         return hook
 
@@ -696,13 +795,7 @@ def main(argv=None) -> int:
             )
 
     def forward(mbd, chunk=model):
-        PackedCausalAttention.SEQ = {"seq": mbd["seq"], "pos": mbd["pos"]}
-        return chunk(
-            mbd["ids"],
-            mbd["pos"],
-            torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),
-            labels=mbd["labels"],
-        )
+        return chunk(mbd["ids"], mbd["pos"], seq_mask(mbd["seq"], mbd["pos"]), labels=mbd["labels"])
 
     if args.pp == 1:
         # ---- R3: F0 F1 .. B0 B1 .. (recompute pops targets FIFO across micro-batches) --------
@@ -711,8 +804,9 @@ def main(argv=None) -> int:
             for mbd in mbs:
                 with replayer.micro_batch(mbd["targets"]):
                     losses.append(forward(mbd).sum())
-            for loss in losses:
-                loss.backward()
+            with perturbed_routers(replayer, args.perturb_router):
+                for loss in losses:
+                    loss.backward()
     else:
         # ---- R3 under Megatron's own pipeline schedule (1F1B, or interleaved with VPP) --------
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -734,6 +828,8 @@ def main(argv=None) -> int:
                 micro_batch_size=B,
                 forward_only=False,
             )
+    if args.policy == "own_routing" and args.pp == 1:
+        result["own_vs_free_forward"] = free_forward_check(mbs, forward, fwd_maps, free_maps)
     if args.vpp > 1:  # without the chunk, installing is refused (it would misalign recompute)
         from routereplay.trainer_adapter import ReplayConfigError
 
@@ -751,9 +847,11 @@ def main(argv=None) -> int:
 
     # tokens per expert, summed over the ranks that share experts, versus the truth
     want_counts = np.zeros((len(MOE_LAYERS), E), np.int64)
-    for m in mbs:
-        for li in range(len(MOE_LAYERS)):
-            want_counts[li] += np.bincount(m["truth"][li].ravel(), minlength=E)
+    for mb, m in enumerate(mbs):
+        for li, layer in enumerate(MOE_LAYERS):
+            # the router's own rows went where it chose; the rest where the truth says
+            sent = chosen.get((layer + 1, mb), m["truth"][li])
+            want_counts[li] += np.bincount(sent.ravel(), minlength=E)
     wc = torch.from_numpy(want_counts).to(device)
     dist.all_reduce(wc, group=ps.get_expert_tensor_and_model_parallel_group())
     want_counts = wc.cpu().numpy()
@@ -773,11 +871,16 @@ def main(argv=None) -> int:
 
     ok = (
         all(result["targets_equal_truth"])
+        and all(result["replay_mask_equal"])
         and result["router_grads_nonzero"]
         and not bad_experts
         and all(st["bad"] == 0 and st["fwd"] > 0 for st in stats.values())
+        and all(st["rec_differs"] == 0 for st in stats.values())
         and (args.recompute == "none" or all(st["rec"] == st["fwd"] for st in stats.values()))
         and result.get("vpp_requires_chunk", True)
+        and result.get("own_vs_free_forward", {"differs": 0})["differs"] == 0
+        and not any(result.get("repacked_decisions", []))
+        and result.get("policy", {}).get("ok", True)
     )
 
     if args.extras and args.pp == 1:
@@ -792,6 +895,85 @@ def main(argv=None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1
+
+
+@contextlib.contextmanager
+def perturbed_routers(replayer, on: bool):
+    """Router weights changed for the block (the backwards: recompute scores differ from the
+    forward's), restored after. Only with activation recompute: without it autograd saved the
+    weights and refuses the in-place change."""
+    if not on:
+        yield
+        return
+    saved = [s.router.weight.detach().clone() for s in replayer.slots]
+    gen = torch.Generator(device=saved[0].device).manual_seed(7)
+    with torch.no_grad():
+        for s, w in zip(replayer.slots, saved, strict=True):
+            noise = torch.randn(w.shape, generator=gen, device=w.device, dtype=w.dtype)
+            s.router.weight.add_(noise * w.std())
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for s, w in zip(replayer.slots, saved, strict=True):
+                s.router.weight.copy_(w)
+
+
+# Set while free_forward_check runs a forward without replay: the micro-batch it runs.
+FREE_FORWARD: dict = {"mb": None}
+
+
+def free_forward_check(mbs, forward, fwd_maps, free_maps) -> dict:
+    """Forward each micro-batch again with no replay action (the router decides every row) and
+    compare, at the router's own rows, the experts chosen there with the replayed forward's."""
+    differs = rows = 0
+    with torch.no_grad():
+        for mb, mbd in enumerate(mbs):
+            FREE_FORWARD["mb"] = mb
+            try:
+                forward(mbd)
+            finally:
+                FREE_FORWARD["mb"] = None
+    for (layer_number, mb), got in fwd_maps.items():
+        own = mbs[mb]["own"]
+        free = free_maps[(layer_number, mb)]
+        rows += int(own.sum())
+        differs += int((got[own] != free[own]).any(1).sum())
+    return {"rows": rows, "differs": differs}
+
+
+def decide(args, pm, recs, layers, result=None):
+    """ReplayPolicy per sample. With ``result``: checks the report against the records at fault
+    (STALE, and MISSING) and records what it decided in ``result["policy"]``."""
+    from routereplay.trainer_adapter import ReplayPolicy
+
+    policy = ReplayPolicy(current_version=CURRENT, max_staleness=1, on_violation=args.policy)
+    report = policy.decide(pm, recs, layers)
+    if result is None:
+        return report
+    bad = sorted(r for d in report.decisions for r in d.records)
+    kinds = sorted(k for d in report.decisions for k in d.kinds)
+    at_fault = np.isin(pm.sample, [d.sample for d in report.decisions])
+    if args.policy == "drop":
+        mask_ok = np.array_equal(report.loss_mask, (pm.sample >= 0) & ~at_fault)
+        mask_ok &= bool(report.replay_mask.all())
+    else:
+        mask_ok = np.array_equal(report.replay_mask, ~at_fault)
+        mask_ok &= np.array_equal(report.loss_mask, pm.sample >= 0)
+    sc = report.scalars()
+    key = "dropped" if args.policy == "drop" else "own_routing"
+    pr = result.setdefault("policy", {"ok": True, "rows": [], "samples": []})
+    pr["records_at_fault"] = bad
+    pr["kinds"] = kinds
+    pr["rows"].append(sc[f"replay/{key}_rows"])
+    pr["samples"].append(sc[f"replay/{key}_samples"])
+    pr["ok"] &= bool(
+        bad == [STALE, MISSING]
+        and kinds == ["missing", "staleness"]
+        and mask_ok
+        and sc[f"replay/{key}_rows"] == int(at_fault.sum()) > 0
+    )
+    return report
 
 
 def _moe_layers(chunks):
