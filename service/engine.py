@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
 import numpy as np
@@ -158,8 +159,12 @@ class RLControl(abc.ABC):
     async def weight_version(self) -> str: ...
 
     @abc.abstractmethod
-    async def reload_weights(self, weights_path: str, weight_version: str | None) -> None:
-        """Load new weights from a checkpoint directory (the path that works without GPUs)."""
+    async def reload_weights(
+        self, checkpoint: Path, weight_version: str | None, root: Path
+    ) -> None:
+        """Load new weights from ``checkpoint``, a real directory inside ``root`` (the path that
+        works without GPUs). A checkpoint the engine cannot use is refused before the engine's
+        weights are touched; a load that fails after that restores the last good weights."""
 
     @abc.abstractmethod
     async def world_size(self, include_dp: bool) -> int: ...

@@ -88,7 +88,7 @@ class ServiceState:
             completion=ServingCompletion(backend, capture, metrics, request_ids),
             models=ServingModels(backend),
             routes=ServingRoutes(settings.max_batch_ids, settings.max_batch_bytes),
-            rl=ServingRL(backend, metrics),
+            rl=ServingRL(backend, metrics, settings.weights_root),
         )
 
 

@@ -491,8 +491,10 @@ class _SyntheticRL(RLControl):
     async def weight_version(self) -> str:
         return self.e.version
 
-    async def reload_weights(self, weights_path: str, weight_version: str | None) -> None:
-        path = Path(weights_path) / "synthetic.json"
+    async def reload_weights(
+        self, checkpoint: Path, weight_version: str | None, root: Path
+    ) -> None:
+        path = checkpoint / "synthetic.json"
         try:
             salt = int(json.loads(path.read_text())["salt"])
         except (OSError, ValueError, KeyError, TypeError) as exc:

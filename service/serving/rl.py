@@ -12,10 +12,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable
+from pathlib import Path
 from typing import Any, TypeVar
 
+from ..checkpoints import CheckpointError, resolve_checkpoint
 from ..engine import EngineBackend, PauseMode, RLControl
-from ..errors import InvalidRequestError, ServiceError
+from ..errors import EngineUnavailableError, InvalidRequestError, ServiceError
 from ..metrics import ServiceMetrics
 
 __all__ = ["NotSupportedError", "ServingRL"]
@@ -32,9 +34,12 @@ class NotSupportedError(ServiceError):
 
 
 class ServingRL:
-    def __init__(self, backend: EngineBackend, metrics: ServiceMetrics) -> None:
+    def __init__(
+        self, backend: EngineBackend, metrics: ServiceMetrics, weights_root: Path | None = None
+    ) -> None:
         self.backend = backend
         self.metrics = metrics
+        self.weights_root = weights_root  # file-based weight loads read only under it
 
     @property
     def rl(self) -> RLControl:
@@ -59,9 +64,17 @@ class ServingRL:
             status = "invalid"
             raise InvalidRequestError(f"{name}: {type(e).__name__}: {e}", code="rl_invalid") from e
         except Exception as e:
+            # The engine refused the call; whatever it was, the caller's request did it (a
+            # dead engine is a 503, below): a 400 naming the engine's reason, never a 500.
             status = "error"
             log.exception("RL operation %s failed", name)
-            raise ServiceError(f"{name} failed: {type(e).__name__}: {e}") from e
+            if self.backend.dead:
+                raise EngineUnavailableError(
+                    f"{name}: the engine died ({type(e).__name__}: {e})", code="engine_dead"
+                ) from e
+            raise InvalidRequestError(
+                f"{name} failed in the engine: {type(e).__name__}: {e}", code="rl_failed"
+            ) from e
         finally:
             self.metrics.rl_ops.labels(op=name, status=status).inc()
             self.metrics.rl_latency.labels(op=name).observe(time.perf_counter() - t0)
@@ -109,7 +122,14 @@ class ServingRL:
         return {"weight_version": await self._op("weight_info", self.rl.weight_version())}
 
     async def reload_weights(self, weights_path: str, weight_version: str | None) -> dict[str, Any]:
-        await self._op("reload", self.rl.reload_weights(weights_path, weight_version))
+        rl = self.rl
+        try:
+            path = resolve_checkpoint(weights_path, self.weights_root)
+        except CheckpointError as e:
+            self.metrics.rl_ops.labels(op="reload", status=e.code).inc()
+            raise
+        assert self.weights_root is not None  # resolve_checkpoint refuses loads without one
+        await self._op("reload", rl.reload_weights(path, weight_version, self.weights_root))
         version = await self._op("weight_info", self.rl.weight_version())
         return {"message": "Weights reloaded", "weight_version": version}
 

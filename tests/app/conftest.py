@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -206,15 +207,22 @@ async def running_app(redis_url: str, **kw: object) -> AsyncIterator[App]:
 
 
 @pytest.fixture()
-async def svc(redis_url: str) -> AsyncIterator[App]:
-    async with running_app(redis_url) as a:
+def weights_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the apps' /reload_weights may read: the session's temporary directory (every test's
+    ``tmp_path`` is inside it)."""
+    return tmp_path_factory.getbasetemp()
+
+
+@pytest.fixture()
+async def svc(redis_url: str, weights_root: Path) -> AsyncIterator[App]:
+    async with running_app(redis_url, weights_root=weights_root) as a:
         yield a
 
 
 @pytest.fixture()
-async def held_svc(redis_url: str) -> AsyncIterator[App]:
+async def held_svc(redis_url: str, weights_root: Path) -> AsyncIterator[App]:
     """An app over a :class:`HeldEngine` (``app.backend``; its requests hold after one token)."""
-    async with running_app(redis_url, backend=HeldEngine()) as a:
+    async with running_app(redis_url, backend=HeldEngine(), weights_root=weights_root) as a:
         yield a
 
 

@@ -46,7 +46,10 @@ def own(
     redis_url: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Service, subprocess.Popen]]:
     log_dir = tmp_path_factory.mktemp("rl")
-    with start_service(redis_url, tiny_model, log_dir, "--route-prefix", "rl") as (svc, proc):
+    # Checkpoints are written to each test's tmp_path, inside the session's temporary directory.
+    root = str(tmp_path_factory.getbasetemp())
+    flags = ("--route-prefix", "rl", "--weights-root", root)
+    with start_service(redis_url, tiny_model, log_dir, *flags) as (svc, proc):
         yield svc, proc
 
 
@@ -141,8 +144,18 @@ def test_request_across_an_update_reports_its_spans(rl, own_service: Service) ->
     assert tokens_arrived.wait(timeout=600) and out["tokens"] >= 3, "no tokens streamed"
     assert c.post("/pause", params={"mode": "keep"}).status_code == 200
     assert c.get("/is_paused").json() == {"is_paused": True}
+    # While paused the service is ready, and a new request waits for /resume.
+    assert c.get("/ready").status_code == 200
+    waiting: dict = {}
+    w = threading.Thread(target=lambda: waiting.update(choice=complete(c, service, "wait", "rl-w")))
+    w.start()
+    w.join(timeout=3)
+    assert w.is_alive(), "a request ran while the engine was paused"
     c.post("/reload_weights", json={"weights_path": str(ckpt), "weight_version": "after-cross"})
+    assert c.get("/is_paused").json() == {"is_paused": True}  # a reload keeps the pause
     assert c.post("/resume").status_code == 200
+    w.join(timeout=600)
+    assert waiting["choice"]["routed_experts"]["weight_version"] == "after-cross"
     t.join(timeout=600)
     assert not t.is_alive(), "the request did not finish"
     h = out["handle"]
@@ -152,3 +165,39 @@ def test_request_across_an_update_reports_its_spans(rl, own_service: Service) ->
     rec = route(c, "rl-cross-0")
     assert [s.version for s in rec.weight_versions] == versions
     assert rec.weight_versions[-1].stop == rec.num_tokens
+
+
+def test_a_reload_without_pause_freezes_running_requests(rl, own_service: Service) -> None:
+    """Without /pause the reload pauses (mode keep) around the load itself: the running request
+    finishes under the new weights and reports both versions' spans."""
+    service = own_service
+    c, ckpt = rl
+    assert c.post("/update_weight_version", json={"new_version": "before-live"}).status_code == 200
+    out: dict = {}
+    started = threading.Event()
+
+    def run() -> None:
+        body = {"model": service.model, "prompt": "live reload", "max_tokens": 1900,
+                "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+        try:
+            with httpx.stream("POST", f"{service.url}/v1/completions", json=body, timeout=600,
+                              headers={"X-Request-Id": "rl-live"}) as r:  # fmt: skip
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        started.set()
+                        choice = json.loads(line[len("data: ") :])["choices"][0]
+                        if choice.get("finish_reason"):
+                            out["handle"] = choice["routed_experts"]
+        finally:
+            started.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert started.wait(timeout=600)
+    r = c.post("/reload_weights", json={"weights_path": str(ckpt), "weight_version": "after-live"})
+    assert r.status_code == 200, r.text
+    assert c.get("/is_paused").json() == {"is_paused": False}
+    t.join(timeout=600)
+    assert not t.is_alive()
+    versions = [s["version"] for s in out["handle"]["weight_versions"]]
+    assert versions == ["before-live", "after-live"], out["handle"]

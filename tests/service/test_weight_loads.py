@@ -1,0 +1,175 @@
+"""File-based weight loads on the real engine: only checkpoint directories under --weights-root
+load, every one is checked before the engine's weights are touched, and no bad path or bad
+checkpoint changes what serves. Each refused load is followed by a completion that must succeed
+under the weights that served before it.
+
+Runs its own service: it reloads weights (see test_rl_loop's note on in-place reloads)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from routereplay.bench.servers import engine_env
+
+from .conftest import Service, start_service
+
+pytestmark = pytest.mark.vllm
+
+HERE = Path(__file__).parent
+
+
+def save(dst: Path, tensors: dict, **config_changes: object) -> Path:
+    """A copy of the served checkpoint with ``tensors`` as its weights."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    if config_changes:
+        cfg = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**cfg, **config_changes}))
+    return dst
+
+
+def bad_checkpoints(root: Path, model: Path) -> list[tuple[str, str, str]]:
+    """(weights_path, expected error code, words the message must hold) for each bad input."""
+    import torch
+    from safetensors.torch import load_file
+
+    sd = load_file(model / "model.safetensors")
+
+    def copy(name: str) -> Path:
+        return Path(shutil.copytree(model, root / name))
+
+    (root / "empty").mkdir()
+    (root / "a-file").write_text("not a directory")
+    os.symlink(model, root / "link-out")  # a link to a checkpoint outside the root
+    os.symlink("/etc", root / "etc-link")
+    garbage = copy("garbage")
+    (garbage / "model.safetensors").write_bytes(os.urandom(4096))
+    trunc = copy("truncated")
+    data = (trunc / "model.safetensors").read_bytes()
+    (trunc / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    big = next(k for k in sd if k.endswith("mlp.gate.weight"))
+    save(copy("wrong-shape"), {**sd, big: torch.zeros(sd[big].shape[0] + 1, sd[big].shape[1])})
+    save(copy("wrong-dtype"), {**sd, big: sd[big].to(torch.bfloat16)})
+    save(copy("missing-tensor"), {k: v for k, v in sd.items() if k != big})
+    save(copy("extra-tensor"), {**sd, "model.extra.weight": torch.zeros(2)})
+    cfg = json.loads((model / "config.json").read_text())
+    save(copy("wrong-config"), sd, num_experts_per_tok=cfg["num_experts_per_tok"] + 1)
+    save(copy("wrong-arch"), sd, architectures=["LlamaForCausalLM"], model_type="llama")
+    (copy("no-config") / "config.json").unlink()
+    file_link = copy("file-link-out")
+    (file_link / "model.safetensors").unlink()
+    os.symlink(model / "model.safetensors", file_link / "model.safetensors")
+    pickle_only = copy("pickle-only")
+    (pickle_only / "model.safetensors").rename(pickle_only / "pytorch_model.bin")
+    return [
+        ("/etc/passwd", "outside_weights_root", "outside the weights root"),
+        ("../../../../etc", "outside_weights_root", "outside the weights root"),
+        (str(model), "outside_weights_root", "outside the weights root"),
+        ("link-out", "outside_weights_root", "outside the weights root"),
+        ("etc-link", "outside_weights_root", "outside the weights root"),
+        ("Qwen/Qwen3-30B-A3B", "not_a_checkpoint", "does not exist"),
+        ("missing", "not_a_checkpoint", "does not exist"),
+        ("a-file", "not_a_checkpoint", "is not a directory"),
+        ("empty", "bad_checkpoint", "config.json is missing"),
+        ("no-config", "bad_checkpoint", "config.json is missing"),
+        ("pickle-only", "not_a_checkpoint", "no *.safetensors"),
+        ("file-link-out", "outside_weights_root", "links out of the weights root"),
+        ("garbage", "bad_checkpoint", "model.safetensors"),
+        ("truncated", "truncated_checkpoint", "truncated"),
+        ("wrong-shape", "checkpoint_mismatch", f"tensor '{big}' is F32"),
+        ("wrong-dtype", "checkpoint_mismatch", f"tensor '{big}' is BF16"),
+        ("missing-tensor", "checkpoint_mismatch", f"tensor '{big}' is missing"),
+        ("extra-tensor", "checkpoint_mismatch", "'model.extra.weight' is not in the served"),
+        ("wrong-config", "checkpoint_mismatch", "config num_experts_per_tok is 3"),
+        ("wrong-arch", "checkpoint_mismatch", "config architectures is ['LlamaForCausalLM']"),
+        ("a\x00b", "bad_checkpoint", "not a usable path"),
+        ("x" * 5000, "not_a_checkpoint", "does not exist"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def weights_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("weights-root")
+
+
+@pytest.fixture(scope="module")
+def own(
+    redis_url: str, tiny_model: Path, weights_root: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Service, subprocess.Popen]]:
+    log_dir = tmp_path_factory.mktemp("weight-loads")
+    flags = ("--route-prefix", "wl", "--weights-root", str(weights_root))
+    with start_service(redis_url, tiny_model, log_dir, *flags) as (svc, proc):
+        yield svc, proc
+
+
+def complete(c: httpx.Client, service: Service) -> str:
+    """A completion that must succeed; the weight version its route names."""
+    r = c.post("/v1/completions", json={"model": service.model, "prompt": "The weights are",
+                                        "max_tokens": 3, "temperature": 0})  # fmt: skip
+    assert r.status_code == 200, r.text
+    handle = r.json()["choices"][0]["routed_experts"]
+    assert handle["status"] == "stored"
+    return handle["weight_version"]
+
+
+def test_every_bad_load_is_a_400_and_the_old_weights_keep_serving(
+    own: tuple[Service, subprocess.Popen], weights_root: Path, tiny_model: Path
+) -> None:
+    service, proc = own
+    cases = bad_checkpoints(weights_root, tiny_model)
+    shutil.copytree(tiny_model, weights_root / "step-1")
+    with httpx.Client(base_url=service.url, timeout=120) as c:
+        r = c.post("/reload_weights", json={"weights_path": "step-1", "weight_version": "step-1"})
+        assert r.json() == {"message": "Weights reloaded", "weight_version": "step-1"}, r.text
+        for path, code, words in cases:
+            r = c.post("/reload_weights", json={"weights_path": path, "weight_version": "bad"})
+            err = r.json()["error"]
+            assert (r.status_code, err["code"], err["param"]) == (400, code, "weights_path"), (
+                path[:80], r.text)  # fmt: skip
+            assert words in err["message"], (path[:80], err["message"])
+            assert c.get("/weight_info").json() == {"weight_version": "step-1"}
+            assert complete(c, service) == "step-1", path[:80]
+        assert proc.poll() is None
+
+
+def test_a_service_without_weights_root_loads_no_files(
+    http: httpx.Client, tiny_model: Path
+) -> None:
+    """The session's service runs without --weights-root: even its own model is refused."""
+    version = http.get("/weight_info").json()
+    r = http.post("/reload_weights", json={"weights_path": str(tiny_model)})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "weight_loads_disabled", r.text
+    assert "--weights-root" in err["message"]
+    assert http.get("/weight_info").json() == version
+
+
+def test_a_load_failing_in_the_engine_restores_the_last_good_weights_or_stops(
+    tiny_model: Path, tmp_path: Path, redis_url: str
+) -> None:
+    script = HERE / "_reload_restore.py"
+    argv = [sys.executable, str(script), str(tiny_model), str(tmp_path), redis_url]
+    p = subprocess.run(argv, capture_output=True, text=True, env=engine_env(), timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    status, code, message = out["load_error"]
+    assert (status, code) == (400, "checkpoint_load_failed"), message
+    assert "previous weights ('default') are restored" in message
+    assert out["same_routes"] and out["versions"] == ["default", "default"]
+    assert out["rows_like_first_load"] > 0.9, out["rows_like_first_load"]
+    assert out["dead_after_restore"] is False
+    assert out["good_reload"] == {"message": "Weights reloaded", "weight_version": "step-good"}
+    status, code, message = out["fatal_error"]
+    assert (status, code) == (503, "engine_dead") and "exits with status 3" in message
+    assert out["dead"] is True and out["completion_after_fatal"] == 503
+    assert len(out["on_fatal"]) == 1
