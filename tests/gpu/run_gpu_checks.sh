@@ -32,6 +32,20 @@ run gpu2_cp2_thd             2 --cp 2
 run gpu2_pp2_1f1b            2 --pp 2 --micro-batches 4
 run gpu2_pp2_vpp2_selective  2 --pp 2 --vpp 2 --micro-batches 4 --recompute selective
 run gpu2_pp2_vpp2_padded     2 --pp 2 --vpp 2 --micro-batches 4 --layout padded
+# Per-sample replay policy (a stale and a missing record): own_routing rows take the router's own
+# top-k and recompute repeats them although the router weights change before the backwards
+# (--perturb-router); drop re-packs the kept samples. ONLY=policy runs just these.
+run gpu1_policy_own_thd_full     1 --policy own_routing --recompute full --perturb-router
+run gpu1_policy_own_legacy_left  1 --policy own_routing --replay-path legacy --layout padded-left \
+  --recompute selective --perturb-router
+run gpu2_policy_own_tp2_sp_thd   2 --tp 2 --sp --policy own_routing --recompute full --perturb-router
+run gpu2_policy_own_legacy_tp2   2 --tp 2 --sp --policy own_routing --replay-path legacy \
+  --layout padded --recompute selective --perturb-router
+run gpu2_policy_own_pp2_1f1b     2 --pp 2 --micro-batches 4 --policy own_routing --recompute selective
+run gpu2_policy_drop_cp2_thd     2 --cp 2 --policy drop
+run gpu2_policy_drop_tp2_sp_pad  2 --tp 2 --sp --policy drop --layout padded --recompute selective
+[ "$DEV" = cuda ] && run gpu2_policy_own_ep2_alltoall 2 --ep 2 --dispatcher alltoall \
+  --policy own_routing --layout padded --recompute selective --perturb-router
 [ "$DEV" = cuda ] || { echo "CPU rehearsal: alltoall and pinned targets need CUDA, skipped"; finish; }
 # Targets gathered into page-locked memory (gather_targets(pin_memory=True)), installed from it.
 run gpu1_thd_pinned_sel      1 --recompute selective --pin-memory

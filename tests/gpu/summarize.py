@@ -19,6 +19,9 @@ KEYS = (
     "nograd_forward_in_step_raises",
     "replay_path",
     "bypass_detected",
+    "policy",
+    "repacked_decisions",
+    "own_vs_free_forward",
 )
 
 
@@ -36,6 +39,9 @@ def results(text: str) -> list[dict]:
 def main() -> int:
     for r in results(sys.stdin.read()):
         rows = {k: (v["fwd"], v["rec"], v["bad"]) for k, v in r["router_rows"].items()}
+        if r["args"].get("policy", "none") == "own_routing":  # + own rows, recompute checks
+            own = ("own", "rec_differs", "rec_own_topk_moved")
+            rows = {k: (*rows[k], *(v[x] for x in own)) for k, v in r["router_rows"].items()}
         extra = {k: r[k] for k in KEYS if k in r}
         print(
             f"   rank {r['rank']} mcore {r['megatron']} ok {r['ok']} "

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.megatron
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-from harness import run_check  # noqa: E402
+from harness import assert_policy, run_check  # noqa: E402
 
 RELEASES = ["0.12.3", "0.13.1", "0.14.0", "0.15.3"]
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "routereplay"
@@ -96,6 +96,16 @@ def test_replay_full_recompute_r2_guards_without_cuda(release, redis_url: str) -
     assert r["refused_targets"] == ["top_k", "expert_range", "num_experts", "missing_layer"]
 
 
+def test_own_routing_full_recompute_without_cuda(release, redis_url: str) -> None:
+    """A stale and a missing record's samples take the router's own top-k through each
+    release's top-k function; recompute repeats it although the router weights changed."""
+    version, env = release
+    res = run_check(1, "--policy", "own_routing", "--recompute", "full", "--perturb-router",
+                    "--no-cuda", redis_url=redis_url, env=env)  # fmt: skip
+    assert res[0]["megatron"] == version and res[0]["replay_path"] == "legacy"
+    assert_policy(res, "own_routing", perturbed=True)
+
+
 def test_oldest_release_tp2_sequence_parallel(redis_url: str) -> None:
     res = run_check(2, "--tp", "2", "--sp", redis_url=redis_url,
                     env={"PYTHONPATH": str(release_path(RELEASES[0]))})  # fmt: skip
@@ -122,6 +132,16 @@ def test_legacy_path_on_the_installed_native_release(redis_url: str) -> None:
                      redis_url=redis_url)  # fmt: skip
     assert r["ok"] and r["replay_path"] == "legacy", r
     assert all(st["bad"] == 0 and st["rec"] == st["fwd"] > 0 for st in r["router_rows"].values())
+
+
+def test_own_routing_legacy_path_left_padded(redis_url: str) -> None:
+    """path='legacy' on the installed release: own_routing on a left-padded batch, selective
+    recompute with the router weights changed before the backward."""
+    res = run_check(1, "--replay-path", "legacy", "--policy", "own_routing", "--layout",
+                    "padded-left", "--recompute", "selective", "--perturb-router", "--no-cuda",
+                    redis_url=redis_url)  # fmt: skip
+    assert res[0]["replay_path"] == "legacy"
+    assert_policy(res, "own_routing", perturbed=True)
 
 
 def test_the_adapter_has_no_cuda_calls() -> None:

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.megatron
 
 GPU_DIR = Path(__file__).resolve().parents[1] / "gpu"
 sys.path.insert(0, str(GPU_DIR))
-from harness import run_check  # noqa: E402
+from harness import assert_policy, run_check  # noqa: E402
 
 
 def assert_exact(results: list[dict], *, recompute: bool = True) -> None:
@@ -125,6 +125,51 @@ def test_pp2_vpp2_interleaved_chunks(redis_url):
     assert [r["router_layer_numbers"] for r in res] == [[3], [2, 4]]
     assert [r["router_chunks"] for r in res] == [[1], [0, 1]]
     assert all(r["vpp_requires_chunk"] for r in res)
+
+
+def test_own_routing_thd_full_recompute_from_redis(redis_url):
+    """ReplayPolicy(on_violation="own_routing") on a THD pack whose first record is stale and
+    whose fifth is missing from Redis (get_many(missing_ok=True)): the router chooses those
+    samples' experts, and the full recompute repeats its choice although the router weights
+    changed before the backward."""
+    res = run_check(
+        1, "--policy", "own_routing", "--recompute", "full", "--perturb-router",
+        redis_url=redis_url,
+    )  # fmt: skip
+    assert res[0]["records_from"] == "redis"
+    assert_exact(res)
+    assert_policy(res, "own_routing", perturbed=True)
+
+
+def test_own_routing_left_padded_selective_recompute(redis_url):
+    res = run_check(
+        1, "--policy", "own_routing", "--layout", "padded-left", "--recompute", "selective",
+        redis_url=redis_url,
+    )  # fmt: skip
+    assert_exact(res)
+    assert_policy(res, "own_routing")
+
+
+def test_own_routing_tp2_sequence_parallel(redis_url):
+    """Each TP rank's SP slice holds part of the router's own rows."""
+    res = run_check(
+        2, "--tp", "2", "--sp", "--policy", "own_routing", "--recompute", "full",
+        "--perturb-router", redis_url=redis_url,
+    )  # fmt: skip
+    assert_exact(res)
+    assert_policy(res, "own_routing", perturbed=True)
+
+
+def test_drop_repacks_the_kept_samples_thd(redis_url):
+    res = run_check(1, "--policy", "drop", "--recompute", "full", redis_url=redis_url)
+    assert_exact(res)
+    assert_policy(res, "drop")
+
+
+def test_drop_repacks_the_kept_samples_padded_cp2(redis_url):
+    res = run_check(2, "--cp", "2", "--policy", "drop", "--layout", "padded", redis_url=redis_url)
+    assert_exact(res)
+    assert_policy(res, "drop")
 
 
 def test_check_replay_config_refuses_bypasses():
