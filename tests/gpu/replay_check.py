@@ -364,7 +364,10 @@ def build_batch(args, recs, mb: int, missing_tokens=None, keep=None):
             ids[b, : len(t)] = t
         else:
             ids[b, S - len(t) :] = t
-    seq = np.zeros_like(ids)
+    # Padding is a sequence of its own, as a trainer's attention mask makes it: left padding
+    # would otherwise reach every token's attention, and its routing differs between a replayed
+    # forward (fillers) and one without replay.
+    seq = np.where(pm.sample >= 0, 0, -1).astype(np.int64)
     pos = np.broadcast_to(np.arange(S), ids.shape).copy()
     return pm, ids, seq, pos, None
 
@@ -725,6 +728,7 @@ def main(argv=None) -> int:
     # (layer number, micro-batch) -> routing_map [N, E] of the replayed forward, and of a forward
     # without replay ("free"); the experts each router row was sent to, for the expert counts.
     fwd_maps: dict = {}
+    fwd_gates: dict = {}
     free_maps: dict = {}
     chosen: dict = {}
 
@@ -732,8 +736,9 @@ def main(argv=None) -> int:
         def hook(mod, inputs, output):
             act = action(slot)
             got = output[1].detach().cpu()  # routing_map [N, E]
+            gates = output[0].detach().float().cpu()  # routing probs [N, E]
             if act is None and FREE_FORWARD["mb"] is not None:
-                free_maps[(slot.layer_number, FREE_FORWARD["mb"])] = got
+                free_maps[(slot.layer_number, FREE_FORWARD["mb"])] = (got, gates)
                 return
             if act not in ("replay_forward", "replay_backward"):
                 return
@@ -771,6 +776,7 @@ def main(argv=None) -> int:
             st["bad"] += int((got != want).any(1).sum())
             if phase == "fwd":
                 fwd_maps[(slot.layer_number, mb)] = got
+                fwd_gates[(slot.layer_number, mb)] = gates
                 chosen[(slot.layer_number, mb)] = got.nonzero()[:, 1].reshape(-1, K).numpy()
             else:  # recompute repeats the forward's decisions, replayed or the router's own
                 st["rec_differs"] += int((got != fwd_maps[(slot.layer_number, mb)]).any(1).sum())
@@ -829,7 +835,9 @@ def main(argv=None) -> int:
                 forward_only=False,
             )
     if args.policy == "own_routing" and args.pp == 1:
-        result["own_vs_free_forward"] = free_forward_check(mbs, forward, fwd_maps, free_maps)
+        result["own_vs_free_forward"] = free_forward_check(
+            mbs, forward, fwd_maps, fwd_gates, free_maps
+        )
     if args.vpp > 1:  # without the chunk, installing is refused (it would misalign recompute)
         from routereplay.trainer_adapter import ReplayConfigError
 
@@ -923,10 +931,12 @@ def perturbed_routers(replayer, on: bool):
 FREE_FORWARD: dict = {"mb": None}
 
 
-def free_forward_check(mbs, forward, fwd_maps, free_maps) -> dict:
+def free_forward_check(mbs, forward, fwd_maps, fwd_gates, free_maps) -> dict:
     """Forward each micro-batch again with no replay action (the router decides every row) and
-    compare, at the router's own rows, the experts chosen there with the replayed forward's."""
+    compare, at the router's own rows, the experts chosen there and their gates with the
+    replayed forward's."""
     differs = rows = 0
+    gate_diff = 0.0
     with torch.no_grad():
         for mb, mbd in enumerate(mbs):
             FREE_FORWARD["mb"] = mb
@@ -936,10 +946,13 @@ def free_forward_check(mbs, forward, fwd_maps, free_maps) -> dict:
                 FREE_FORWARD["mb"] = None
     for (layer_number, mb), got in fwd_maps.items():
         own = mbs[mb]["own"]
-        free = free_maps[(layer_number, mb)]
+        free, free_gates = free_maps[(layer_number, mb)]
         rows += int(own.sum())
         differs += int((got[own] != free[own]).any(1).sum())
-    return {"rows": rows, "differs": differs}
+        if own.any():
+            gates = fwd_gates[(layer_number, mb)]
+            gate_diff = max(gate_diff, float((gates[own] - free_gates[own]).abs().max()))
+    return {"rows": rows, "differs": differs, "gate_max_abs_diff": gate_diff}
 
 
 def decide(args, pm, recs, layers, result=None):
