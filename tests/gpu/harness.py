@@ -62,5 +62,5 @@ def assert_policy(results: list[dict], action: str, *, perturbed: bool = False) 
         elif r["args"]["pp"] == 1:
             free = r["own_vs_free_forward"]
             assert free["differs"] == 0 and free["rows"] > 0, free
-            assert free["gate_max_abs_diff"] <= 1e-6, free
+            assert free["gate_max_abs_diff"] <= 1e-5, free  # replay_check.GATE_TOL
     assert (own_rows > 0) == (action == "own_routing"), own_rows
