@@ -11,16 +11,18 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from routereplay.client import AsyncRouteStore
 
@@ -121,6 +123,33 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     return None
 
 
+class _GenerationStream(StreamingResponse):
+    """The SSE response of one request, which ends with the response however it ends: the whole
+    stream sent, or the client gone before the first chunk or mid-way.
+
+    Starlette stops a stream whose client left by cancelling it, which may leave the body
+    suspended at a ``yield`` or never started: ``end`` runs after that, outside the cancellation,
+    so the engine request is closed and the request counted without waiting for garbage
+    collection to close the body.
+    """
+
+    def __init__(
+        self,
+        body: AsyncGenerator[bytes, None],
+        end: Callable[[], Awaitable[None]],
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=headers)
+        self._end = end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # Shielded: a server shutting down cancels this task; the end still runs whole.
+            await asyncio.shield(self._end())
+
+
 class _ServingGeneration(abc.ABC, Generic[R]):
     """The request lifecycle both completion APIs share."""
 
@@ -195,14 +224,18 @@ class _ServingGeneration(abc.ABC, Generic[R]):
             )
             headers = {"X-Request-Id": rid}
             if request.stream:
-                prompt_ids, events = await self._open(greq, claimed)
-                outcome = {"status": 200}
-                body = self._measured(
-                    self._stream(greq, prompt_ids, events, outcome, store), t0, claimed, outcome
+                # Until its first output the engine may hold the request (queued, prefilling,
+                # paused): a client that leaves meanwhile is noticed here, not at that output.
+                opened = await _unless_disconnected(raw_request, self._open(greq, claimed))
+                if opened is not None:
+                    response = self._stream_response(greq, *opened, store, t0, claimed, headers)
+                    claimed = None  # the stream releases it
+                    return response
+                result = None
+            else:
+                result = await _unless_disconnected(
+                    raw_request, self._complete(greq, claimed, store)
                 )
-                claimed = None
-                return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-            result = await _unless_disconnected(raw_request, self._complete(greq, claimed, store))
         except ServiceError as e:
             self._done(t0, e.status_code)
             raise
@@ -255,21 +288,40 @@ class _ServingGeneration(abc.ABC, Generic[R]):
         m.requests.labels(endpoint=self.endpoint, status=str(status)).inc()
         m.latency.labels(endpoint=self.endpoint).observe(time.perf_counter() - t0)
 
-    async def _measured(
-        self, body: AsyncIterator[bytes], t0: float, claimed: Claim | None, outcome: dict[str, int]
-    ) -> AsyncIterator[bytes]:
-        # A stream's request ends with its last chunk, not when the handler returns.
+    def _stream_response(
+        self,
+        greq: GenerationRequest[R],
+        prompt_ids: list[int],
+        events: AsyncIterator[EngineEvent],
+        store: AsyncRouteStore,
+        t0: float,
+        claim: Claim | None,
+        headers: dict[str, str],
+    ) -> StreamingResponse:
+        """The SSE response of an opened request; it owns ``events`` and ``claim``."""
+        # 499 until the client has taken the whole stream (the body sets the real status then).
+        outcome = {"status": 499}
+        body = self._stream(greq, prompt_ids, events, outcome, store)
+        end = functools.partial(self._end_stream, body, events, t0, claim, outcome)
+        return _GenerationStream(body, end, headers)
+
+    async def _end_stream(
+        self,
+        body: AsyncGenerator[bytes, None],
+        events: AsyncIterator[EngineEvent],
+        t0: float,
+        claim: Claim | None,
+        outcome: dict[str, int],
+    ) -> None:
+        # A stream's request ends with its response, not when the handler returns.
         try:
-            async for chunk in body:
-                yield chunk
-        except BaseException:
-            outcome["status"] = 499  # the client went away mid-stream
-            raise
+            await body.aclose()
+            # Closing an unfinished engine stream aborts the request in the engine (the body
+            # closes it too, unless it never started: the client left before the first chunk).
+            await events.aclose()
         finally:
-            # Counted first: when the client went away, the response is cancelled and stays so
-            # (a cancel scope), so the await below raises again; the release itself is shielded.
             self._done(t0, outcome["status"])
-            await self.request_ids.release(claimed)
+            await self.request_ids.release(claim)
 
     async def _open(
         self, greq: GenerationRequest[R], claim: Claim | None
@@ -384,7 +436,7 @@ class _ServingGeneration(abc.ABC, Generic[R]):
         events: AsyncIterator[EngineEvent],
         outcome: dict[str, int],
         store: AsyncRouteStore,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """SSE body of an opened request: OpenAI chunks, a route handle on each finishing chunk.
 
         Always ends with ``data: [DONE]``; a failure after the headers went out travels as an
@@ -405,6 +457,7 @@ class _ServingGeneration(abc.ABC, Generic[R]):
                 body["usage"] = self._usage(prompt_ids, choices, count=False).model_dump()
             return _sse(body)
 
+        status = 200
         try:
             for c in self._opening_chunks(greq, prompt_ids):
                 yield chunk(**c)
@@ -436,11 +489,11 @@ class _ServingGeneration(abc.ABC, Generic[R]):
                 yield _sse({**base, "choices": [], "usage": usage.model_dump(mode="json")})
         except ServiceError as e:
             # Headers are gone: the error travels in the stream, as OpenAI-compatible servers do.
-            outcome["status"] = e.status_code
+            status = e.status_code
             yield _sse(e.body())
         except Exception as e:
             log.exception("stream %s failed", greq.request_id)
-            outcome["status"] = 500
+            status = 500
             err = ServiceError(
                 f"internal error: {type(e).__name__}; the server log has the traceback"
             )
@@ -448,6 +501,7 @@ class _ServingGeneration(abc.ABC, Generic[R]):
         finally:
             await events.aclose()
         yield b"data: [DONE]\n\n"
+        outcome["status"] = status  # reached once the client took the last chunk
 
 
 # -- chat ------------------------------------------------------------------------------------------

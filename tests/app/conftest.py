@@ -237,12 +237,16 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def _live(redis_url: str, step_delay_s: float) -> Iterator[LiveServer]:
+def live(
+    redis_url: str, step_delay_s: float = 0.0, backend: SyntheticBackend | None = None
+) -> Iterator[LiveServer]:
+    """The app over ``backend`` (default: a synthetic engine at ``step_delay_s`` a step)
+    behind a real uvicorn on a free loopback port."""
     import asyncio
 
     import uvicorn
 
-    backend = SyntheticBackend(MODEL, step_delay_s=step_delay_s)
+    backend = backend or SyntheticBackend(MODEL, step_delay_s=step_delay_s)
     # The app opens (and closes) its own store, on uvicorn's event loop.
     prefix = f"t{uuid.uuid4().hex[:10]}"
     settings = Settings(redis_url=redis_url, route_prefix=prefix)
@@ -267,13 +271,13 @@ def _live(redis_url: str, step_delay_s: float) -> Iterator[LiveServer]:
 
 @pytest.fixture()
 def live_server(redis_url: str) -> Iterator[LiveServer]:
-    with _live(redis_url, step_delay_s=0.02) as s:
+    with live(redis_url, step_delay_s=0.02) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def live_server_module(redis_url: str) -> Iterator[LiveServer]:
-    with _live(redis_url, step_delay_s=0.0) as s:
+    with live(redis_url, step_delay_s=0.0) as s:
         yield s
 
 
