@@ -166,7 +166,9 @@ def test_a_load_failing_in_the_engine_restores_the_last_good_weights_or_stops(
     assert (status, code) == (400, "checkpoint_load_failed"), message
     assert "previous weights ('default') are restored" in message
     assert out["same_routes"] and out["versions"] == ["default", "default"]
-    assert out["rows_like_first_load"] > 0.9, out["rows_like_first_load"]
+    # Against the first load, near-ties may flip (0.906 of rows equal measured); other weights
+    # would leave almost no row equal (4 layers of top-2 of 8 experts).
+    assert out["rows_like_first_load"] > 0.5, out["rows_like_first_load"]
     assert out["dead_after_restore"] is False
     assert out["good_reload"] == {"message": "Weights reloaded", "weight_version": "step-good"}
     status, code, message = out["fatal_error"]
