@@ -74,6 +74,7 @@ def make_backend(settings: Settings) -> EngineBackend:
         enforce_eager=settings.enforce_eager,
         tensor_parallel_size=settings.tensor_parallel_size,
         extra_engine_args=settings.engine_args,
+        cpu_bind=settings.cpu_bind,
     )
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "KeyRing",
     "PermissionDeniedError",
     "Principal",
+    "parse_key_entry",
     "principal",
 ]
 
@@ -82,17 +83,26 @@ class Principal:
 OPEN = Principal(tenant=None, admin=True)
 
 
-def _parse_entry(entry: str, where: str) -> tuple[str, str]:
-    """``TENANT:KEY`` or ``KEY`` -> (tenant, key); a bare key's tenant is named after its hash."""
+def parse_key_entry(entry: str) -> tuple[str, str]:
+    """``TENANT:KEY`` or ``KEY`` -> (tenant, key); a bare key's tenant is named after its hash.
+
+    ValueError says what is wrong without the key itself (messages reach logs and terminals)."""
     entry = entry.strip()
     tenant, sep, key = entry.partition(":")
     if not sep:
         tenant, key = "k" + hashlib.sha256(entry.encode()).hexdigest()[:12], entry
     if not _TENANT.fullmatch(tenant):
-        raise ValueError(f"{where}: tenant name {tenant!r} must match [A-Za-z0-9_-]{{1,64}}")
+        raise ValueError(f"tenant name {tenant!r} must match [A-Za-z0-9_-]{{1,64}}")
     if len(key) < 16:
-        raise ValueError(f"{where}: the key of tenant {tenant!r} is shorter than 16 characters")
+        raise ValueError(f"the key of tenant {tenant!r} is shorter than 16 characters")
     return tenant, key
+
+
+def _parse_entry(entry: str, where: str) -> tuple[str, str]:
+    try:
+        return parse_key_entry(entry)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _entries(inline: list[str], file: Path | None, what: str) -> list[tuple[str, str]]:

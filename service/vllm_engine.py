@@ -146,8 +146,10 @@ class VllmBackend(EngineBackend):
         enforce_eager: bool | None = None,
         tensor_parallel_size: int = 1,
         extra_engine_args: dict[str, Any] | None = None,
+        cpu_bind: str = "auto",
     ) -> None:
         self.model = model
+        self._cpu_bind = cpu_bind
         self.served_model_name = served_model_name
         self._kw = dict(
             dtype=dtype,
@@ -172,7 +174,7 @@ class VllmBackend(EngineBackend):
     async def start(self) -> None:
         cpu = on_cpu_host()
         if cpu:
-            from .cpu_setup import cpu_engine_env, is_installed
+            from .cpu_setup import cpu_engine_env, is_installed, set_omp_threads_bind
 
             if not is_installed():
                 raise RuntimeError(
@@ -182,6 +184,7 @@ class VllmBackend(EngineBackend):
             # Set before the engine core is spawned: it inherits this environment.
             for k, v in cpu_engine_env().items():
                 os.environ.setdefault(k, v)
+            set_omp_threads_bind(self._cpu_bind)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
