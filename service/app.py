@@ -123,7 +123,11 @@ def create_app(
                 if url is None:
                     from routereplay.local_redis import redis_server
 
-                    url = stack.enter_context(redis_server(settings.local_redis_maxmemory))
+                    from .ctrl_c import sigint_blocked
+
+                    # Out of a Ctrl-C's reach like the engine: it stores routes while we drain.
+                    with sigint_blocked():
+                        url = stack.enter_context(redis_server(settings.local_redis_maxmemory))
                     log.info("no --redis-url: started a private redis-server")
                 # Where a trainer reads routes from (RouteStore.from_url), password redacted.
                 log.info("routes stored in %s (key prefix %r)", redact(url), settings.route_prefix)

@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 import re
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -107,7 +108,31 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _StopSignals:
+    """SIGINT and SIGTERM for ``routereplay serve``: stopping on either is a success (status 0).
+
+    While uvicorn serves, it handles both (drain, then the lifespan stops the engine) and, once
+    stopped, raises the signal again into the handler it found, to "trigger the expected
+    behaviour": with Python's defaults a clean stop would end in a KeyboardInterrupt traceback
+    (SIGINT) or a death by signal (SIGTERM, status 143). This handler takes that second delivery
+    and does nothing. Before uvicorn serves there is nothing to drain: the process exits at once.
+    """
+
+    def __init__(self) -> None:
+        self.server: Any = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self)
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.server is None or not self.server.should_exit:
+            raise SystemExit(0)
+
+
 def serve_main(argv: list[str]) -> int:
+    stop = _StopSignals()
+    stop.install()
     try:
         settings = settings_from_argv(argv)
         sock = bind_socket(settings.host, settings.port)
@@ -145,7 +170,7 @@ def serve_main(argv: list[str]) -> int:
         # One worker: the engine lives in this process; vLLM scales inside it.
         workers=1,
     )  # fmt: skip
-    server = uvicorn.Server(config)
+    server = stop.server = uvicorn.Server(config)
     server.run(sockets=[sock])
     if fatal:
         logging.getLogger("routereplay.service").critical("exiting with status 3: %s", fatal[0])

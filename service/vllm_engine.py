@@ -42,6 +42,13 @@ __all__ = ["VllmBackend", "on_cpu_host"]
 
 log = logging.getLogger("routereplay.service")
 
+# Stopping: seconds vLLM's engine core waits for its worker to exit by itself before it sends
+# SIGTERM (vLLM's 5 s is short for a worker tearing down on a busy host), and seconds the engine
+# core gets in all before vLLM kills it (that wait, vLLM's 4 s after SIGTERM, margin). Within
+# compose's stop_grace_period (45 s) after uvicorn's 10 s drain.
+WORKER_SHUTDOWN_GRACE_S = 10
+ENGINE_SHUTDOWN_TIMEOUT_S = 20.0
+
 # OpenAI sampling fields that map 1:1 onto vllm.SamplingParams.
 _PASS_THROUGH = (
     "temperature",
@@ -203,7 +210,12 @@ class VllmBackend(EngineBackend):
             **kw,
             **self._extra,
         )
-        self.engine = AsyncLLM.from_engine_args(args)
+        from .ctrl_c import sigint_blocked
+
+        os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(WORKER_SHUTDOWN_GRACE_S))
+        # The engine's processes leave Ctrl-C to this one (see ctrl_c).
+        with sigint_blocked():
+            self.engine = AsyncLLM.from_engine_args(args)
         hf = self.engine.model_config.hf_config
         num_layers, moe, num_experts, top_k = moe_layout(hf)
         self._tokenizer = self.engine.get_tokenizer()
@@ -220,7 +232,9 @@ class VllmBackend(EngineBackend):
 
     async def close(self) -> None:
         if self.engine is not None:
-            self.engine.shutdown()
+            # vLLM's default (5 s) is no longer than the engine core's own wait for its worker:
+            # on a busy host it killed the engine core mid-teardown, leaking its shared memory.
+            self.engine.shutdown(timeout=ENGINE_SHUTDOWN_TIMEOUT_S)
             self.engine = None
 
     @property

@@ -3,12 +3,17 @@ a port in use found before the engine starts, and the synthetic backend serving 
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from routereplay.bench.servers import server_process
 from routereplay.local_redis import free_port
@@ -89,3 +94,35 @@ def test_synthetic_backend_serves(redis_url: str, tmp_path) -> None:
             json={"model": "synthetic-moe", "prompt": "hi", "max_tokens": 2},
         )
         assert r.json()["choices"][0]["routed_experts"]["status"] == "stored"
+
+
+@pytest.mark.parametrize(
+    "sig, group", [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["ctrl-c", "sigterm"]
+)
+def test_stop_signals_exit_0_without_traceback(
+    redis_url: str, tmp_path: Path, sig: signal.Signals, group: bool
+) -> None:
+    """uvicorn raises the stop signal again once it has stopped; the service takes it: status 0,
+    no KeyboardInterrupt traceback (SIGINT), no death by signal (SIGTERM). The real engine's
+    side of a stop is tests/service/test_stop.py."""
+    port = free_port()
+    argv = [sys.executable, "-m", "routereplay.cli", "serve", "--backend", "synthetic",
+            "--port", str(port), "--redis-url", redis_url]  # fmt: skip
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        for _ in range(600):
+            assert proc.poll() is None, log.read_text()
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.1)
+        (os.killpg if group else os.kill)(proc.pid, sig)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert "Application shutdown complete" in text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text

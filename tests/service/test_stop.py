@@ -1,0 +1,133 @@
+"""Stopping the real service: Ctrl-C (SIGINT to the whole process group, as a terminal sends it)
+and SIGTERM to the service alone (``docker stop``, Kubernetes) both end with exit status 0, the
+engine core and its worker stopped by their own teardown (no forced kill), no leaked shared
+memory and no traceback; so does a Ctrl-C while the engine is still starting. Each test boots
+its own engine: the stop is what is tested."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from routereplay.bench.servers import engine_env
+from routereplay.local_redis import free_port
+
+pytestmark = pytest.mark.vllm
+
+# What vLLM and Python log when the stop goes wrong: a forced kill of the engine core or its
+# worker ("force killing remaining process EngineCore", "workers still running after grace
+# period"), the resource tracker's "There appear to be 1 leaked shared_memory objects".
+BAD = re.compile(r"Traceback|leaked|force kill|forcefully|still running|KeyboardInterrupt|\bkill")
+
+
+def start(tiny_model: Path, redis_url: str, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "routereplay.cli", "serve", "--port", str(port),
+        "--redis-url", redis_url, "--model-dir", str(tiny_model.parent),
+        "--max-model-len", "512",
+    ]  # fmt: skip
+    with open(log, "wb") as f:
+        # Its own process group, as a shell gives a foreground job: the group gets the Ctrl-C.
+        proc = subprocess.Popen(
+            argv, stdout=f, stderr=subprocess.STDOUT, env=engine_env(), start_new_session=True
+        )
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_for(proc: subprocess.Popen, log: Path, condition) -> None:
+    deadline = time.monotonic() + 600
+    while not condition():
+        assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
+        assert time.monotonic() < deadline, log.read_text(errors="replace")[-4000:]
+        time.sleep(0.2)
+
+
+def ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def stopped(proc: subprocess.Popen, log: Path, *, group: bool, sig: signal.Signals) -> str:
+    (os.killpg if group else os.kill)(proc.pid, sig)
+    try:
+        code = proc.wait(timeout=600)  # a Ctrl-C during the start waits for it
+    finally:
+        # Whatever the outcome, nothing of this engine outlives the test.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    text = log.read_text(errors="replace")
+    assert code == 0, text[-4000:]
+    return text
+
+
+def group_members(pgid: int) -> list[str]:
+    """Command lines of the live processes in process group ``pgid``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if int(stat[2]) == pgid and stat[0] != "Z":
+                out.append(cmd)
+    return out
+
+
+def assert_clean(text: str) -> None:
+    bad = [line for line in text.splitlines() if BAD.search(line)]
+    assert not bad, "\n".join(bad)
+    # vLLM's own account of a graceful stop, and the service's.
+    assert "all workers exited gracefully" in text, text[-4000:]
+    assert "MPClient: complete" in text and "Application shutdown complete" in text
+    # The engine core stopped on the service's SIGTERM, never on the Ctrl-C itself.
+    assert "EngineCore: trigger received signal=SIGTERM" in text
+    assert "received signal=SIGINT" not in text
+
+
+@pytest.mark.parametrize(
+    "group, sig",
+    [(True, signal.SIGINT), (False, signal.SIGTERM)],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_stop_is_clean(
+    tiny_model: Path, redis_url: str, tmp_path: Path, group: bool, sig: signal.Signals
+) -> None:
+    log = tmp_path / "serve.log"
+    proc, url = start(tiny_model, redis_url, log)
+    wait_for(proc, log, lambda: ready(url))
+    # A request first, so the engine has run a step (its worker has state to tear down).
+    r = httpx.post(
+        url + "/v1/completions",
+        json={"model": "tiny-qwen3-moe-moe", "prompt": "stop", "max_tokens": 4},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    assert_clean(stopped(proc, log, group=group, sig=sig))
+    assert not group_members(proc.pid), "a process of the service outlived it"
+
+
+def test_ctrl_c_while_the_engine_starts(tiny_model: Path, redis_url: str, tmp_path: Path) -> None:
+    """Pressed while vLLM's worker loads (where it used to kill the worker and the engine core's
+    start with it), the Ctrl-C stops the service once the engine is up, cleanly."""
+    log = tmp_path / "serve.log"
+    proc, url = start(tiny_model, redis_url, log)
+    wait_for(proc, log, lambda: any("VLLM::Worker" in c for c in group_members(proc.pid)))
+    assert not ready(url)
+    assert_clean(stopped(proc, log, group=True, sig=signal.SIGINT))
+    assert "Application startup complete" in log.read_text()
+    assert not group_members(proc.pid), "a process of the service outlived it"
