@@ -313,3 +313,88 @@ def test_dockerfile_entrypoint_and_user(dockerfile: str) -> None:
     for extras in re.findall(r"requirements\.py pyproject\.toml ([a-z -]+?) >", text):
         for extra in extras.split():
             assert extra in project["optional-dependencies"], extra
+
+
+def test_compose_redis_loopback_override() -> None:
+    """Redis for a trainer on the host: published on loopback only, on a port other than the
+    6379 a host's own Redis often holds, and the URL the docs give is the one it publishes."""
+    redis = compose_file("deploy/compose.redis-loopback.yaml")["services"]["redis"]
+    (port,) = (interpolate_defaults(p) for p in redis["ports"])
+    host, host_port, container_port = port.rsplit(":", 2)
+    assert host == "127.0.0.1" and host_port == "6380" and host_port != "6379"
+    base = compose_file("compose.yaml")["services"]["redis"]
+    cmd = [interpolate_defaults(str(x)) for x in base["command"]]
+    assert container_port == cmd[cmd.index("--port") + 1]
+    url = f"redis://127.0.0.1:{host_port}/0"
+    assert url in (ROOT / "deploy" / "compose.redis-loopback.yaml").read_text()
+    assert url in (ROOT / "docs" / "deploy.md").read_text()
+    assert "compose.redis-loopback.yaml" in (ROOT / "compose.yaml").read_text()
+
+
+def _run_steps(dockerfile: str) -> list[str]:
+    """Each RUN instruction of a Dockerfile, continuation lines joined."""
+    text = (ROOT / "docker" / dockerfile).read_text().replace("\\\n", " ")
+    return [line for line in text.splitlines() if line.startswith("RUN ")]
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cpu"])
+def test_pip_gets_the_ca_bundle_as_a_build_secret(dockerfile: str) -> None:
+    """Behind a TLS-inspecting proxy pip trusts the bundle compose hands the build (PIP_CERT_FILE,
+    the secret pip_cert), in every step that may reach an index, and no layer keeps it."""
+    pip_steps = [r for r in _run_steps(dockerfile) if re.search(r"pip (install|wheel)", r)]
+    assert pip_steps
+    for step in pip_steps:
+        if "--no-deps" in step and "/dist/" in step:
+            continue  # the wheel built in an earlier stage: no index, no network
+        assert "--mount=type=secret,id=pip_cert" in step, step
+        assert "export PIP_CERT=/run/secrets/pip_cert" in step, step
+    text = (ROOT / "docker" / dockerfile).read_text()
+    assert not re.search(r"^(ENV|ARG)\b.*PIP_CERT", text, re.M)
+    c = compose_file("compose.yaml")
+    assert c["services"]["service"]["build"]["secrets"] == ["pip_cert"]
+    assert c["secrets"]["pip_cert"]["file"] == "${PIP_CERT_FILE:-/dev/null}"
+    # The GPU override replaces the build arguments, not the secrets.
+    gpu = compose_file("deploy/compose.gpu.yaml")["services"]["service"]["build"]
+    assert "secrets" not in gpu
+
+
+def test_deploy_script_stops_only_its_own_dockerd_and_removes_its_stand_ins() -> None:
+    script = (ROOT / "tests" / "deploy" / "run_deploy_checks.sh").read_text()
+    code = "\n".join(ln for ln in script.splitlines() if not ln.lstrip().startswith("#"))
+    # No process is stopped by name: a dockerd on the host may be someone else's.
+    assert not re.search(r"\b(pkill|killall)\b", code)
+    assert "dockerd >/tmp/dockerd.log 2>&1 & dockerd_pid=$!" in code
+    assert 'kill "$dockerd_pid"' in code
+    # Every stand-in image the script builds is listed for removal when it exits.
+    built = re.findall(r"(?:import - |-t )(local/[\w./:-]+)", code)
+    assert set(built) == {"local/debian:bookworm", "local/redis:7"}
+    for image in built:
+        assert f"standins+=({image})" in code, image
+    assert 'docker image rm "${standins[@]}"' in code and "trap cleanup EXIT" in code
+    # deploy_check.py removes the stand-ins of the GPU image in a finally block.
+    check = (ROOT / "tests" / "deploy" / "deploy_check.py").read_text()
+    standins = set(re.findall(r'"-t",\s*"(local/[^"]+)"', check))
+    assert standins == {"local/vllm-standin-base", "local/vllm-standin"}
+    cleanup = re.search(r"finally:\n\s+# The stand-ins(.*?)\n\n", check, re.S).group(1)
+    assert '"docker", "image", "rm"' in cleanup
+    assert all(f'"{image}"' in cleanup for image in standins), cleanup
+
+
+@pytest.mark.skipif(
+    subprocess.run(["docker", "compose", "version"], capture_output=True).returncode != 0
+    if shutil.which("docker")
+    else True,
+    reason="needs docker compose v2",
+)
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["deploy/compose.redis-loopback.yaml"], ["deploy/compose.gpu.yaml"],
+     ["deploy/compose.host-network.yaml"]],
+)  # fmt: skip
+def test_compose_config_is_valid(overrides: list[str]) -> None:
+    files = [a for f in ["compose.yaml", *overrides] for a in ("-f", f)]
+    r = subprocess.run(
+        ["docker", "compose", *files, "config", "-q"], cwd=ROOT, capture_output=True, text=True,
+        env={**os.environ, "MODEL_DIR": "/tmp"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr

@@ -162,6 +162,15 @@ def gpu_image_on_a_stand_in() -> None:
     )
     if "PIP_EXTRA_INDEX_URL" in os.environ:
         base += ["--build-arg", f"PIP_EXTRA_INDEX_URL={os.environ['PIP_EXTRA_INDEX_URL']}"]
+    try:
+        _gpu_image_checks(args, base, env)
+    finally:
+        # The stand-ins and the image built on them exist for this check only.
+        sh("docker", "image", "rm", "routereplay:gpu-standin", "local/vllm-standin",
+           "local/vllm-standin-base", quiet=True, check=False)  # fmt: skip
+
+
+def _gpu_image_checks(args: list[str], base: list[str], env: dict[str, str]) -> None:
     sh(*args, *base, "--target", "build", "-f", "docker/Dockerfile.cpu", "-t",
        "local/vllm-standin-base", ".", env=env)  # fmt: skip
     standin = (
@@ -193,7 +202,6 @@ def gpu_image_on_a_stand_in() -> None:
     out = sh("docker", "run", "--rm", "--network", "none", *env_args, "--entrypoint", "python3",
              "routereplay:gpu-standin", "-c", check, quiet=True).stdout  # fmt: skip
     assert out.strip() == "/model", out
-    sh("docker", "image", "rm", "routereplay:gpu-standin", "local/vllm-standin", quiet=True)
 
 
 def up(env: dict[str, str]) -> float:

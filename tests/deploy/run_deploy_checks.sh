@@ -33,14 +33,23 @@ fetch_deb() {  # package
 docker compose version >/dev/null 2>&1 || fetch_deb docker-compose
 docker buildx version >/dev/null 2>&1 || fetch_deb docker-buildx
 
-started=""
+# On exit: the stand-in images this run built go, and a dockerd this run started stops. Only that
+# dockerd, by its pid: another one on the host (a user's, a CI runner's) is none of ours.
+dockerd_pid=""
+standins=()
+cleanup() {
+  if [ ${#standins[@]} -gt 0 ]; then docker image rm "${standins[@]}" >/dev/null 2>&1 || true; fi
+  if [ -n "$dockerd_pid" ]; then
+    kill "$dockerd_pid" 2>/dev/null || true
+    wait "$dockerd_pid" 2>/dev/null || true
+  fi
+}
+trap cleanup EXIT
 if ! docker info >/dev/null 2>&1; then
-  need_root; (dockerd >/tmp/dockerd.log 2>&1 &); started=1
+  need_root; dockerd >/tmp/dockerd.log 2>&1 & dockerd_pid=$!
   for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
   docker info >/dev/null 2>&1 || { echo "dockerd did not start: /tmp/dockerd.log" >&2; exit 1; }
 fi
-cleanup() { [ -n "$started" ] && pkill -x dockerd || true; }
-trap cleanup EXIT
 
 # Official images when they can be pulled; local stand-ins otherwise.
 if ! docker image inspect python:3.11-slim-bookworm >/dev/null 2>&1 \
@@ -52,16 +61,20 @@ if ! docker image inspect python:3.11-slim-bookworm >/dev/null 2>&1 \
     debootstrap --variant=minbase bookworm "$root" "$DEB" >/tmp/debootstrap.log
     tar -C "$root" -c . | docker import - local/debian:bookworm >/dev/null
     rm -rf "$root"
+    standins+=(local/debian:bookworm)
   fi
   export BASE_IMAGE=local/debian:bookworm
 fi
 if ! docker image inspect redis:7.4-bookworm >/dev/null 2>&1 \
    && ! timeout 60 docker pull -q redis:7.4-bookworm >/dev/null 2>&1; then
-  docker image inspect local/redis:7 >/dev/null 2>&1 || printf '%s\n' \
-    "FROM ${BASE_IMAGE:-local/debian:bookworm}" \
-    "RUN apt-get update && apt-get install -y --no-install-recommends redis-server && rm -rf /var/lib/apt/lists/* && mkdir -p /data && chown redis:redis /data" \
-    "USER redis" "WORKDIR /data" 'CMD ["redis-server"]' \
-    | DOCKER_BUILDKIT=1 docker build --network host -q -t local/redis:7 - >/dev/null
+  if ! docker image inspect local/redis:7 >/dev/null 2>&1; then
+    printf '%s\n' \
+      "FROM ${BASE_IMAGE:-local/debian:bookworm}" \
+      "RUN apt-get update && apt-get install -y --no-install-recommends redis-server && rm -rf /var/lib/apt/lists/* && mkdir -p /data && chown redis:redis /data" \
+      "USER redis" "WORKDIR /data" 'CMD ["redis-server"]' \
+      | DOCKER_BUILDKIT=1 docker build --network host -q -t local/redis:7 - >/dev/null
+    standins+=(local/redis:7)
+  fi
   export REDIS_IMAGE=local/redis:7
 fi
 # pip inside the build: the host's CA bundle (a build secret, never a layer) and, without a route
