@@ -142,6 +142,7 @@ def create_app(
                 await be.start()
                 stack.push_async_callback(be.close)
             metrics.bind_queue_depth(be.num_unfinished)
+            metrics.bind_engine(be.engine_metrics())
             app.state.service = ServiceState.build(settings, metrics, be, st, clock)
             stack.push_async_callback(app.state.service.request_ids.aclose)
             watcher = None
@@ -154,6 +155,7 @@ def create_app(
             finally:
                 if watcher is not None:
                     watcher.cancel()
+                metrics.bind_engine(None)
                 app.state.service = None
 
     app = FastAPI(

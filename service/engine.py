@@ -19,7 +19,7 @@ import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import numpy as np
 
@@ -33,6 +33,9 @@ from .protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
 
 __all__ = [
     "ChoiceDelta",
@@ -194,6 +197,11 @@ class EngineBackend(abc.ABC):
     def num_unfinished(self) -> int:
         """Requests inside the engine (running or queued); -1 if unknown."""
         return -1
+
+    def engine_metrics(self) -> Collector | None:
+        """The engine's own Prometheus metrics, served on ``/metrics`` beside the service's;
+        None if it has none in this process."""
+        return None
 
     @abc.abstractmethod
     def generate_chat(

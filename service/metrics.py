@@ -1,12 +1,17 @@
-"""Prometheus metrics of one app instance (own registry: no process-global state)."""
+"""Prometheus metrics of one app instance (own registry: no process-global state), and the
+engine's own metrics beside them (:class:`VllmEngineMetrics`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
-__all__ = ["ServiceMetrics"]
+__all__ = ["ServiceMetrics", "VllmEngineMetrics"]
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -67,6 +72,43 @@ class ServiceMetrics:
             "routereplay_engine_queue_depth", "requests inside the engine (running + waiting)",
             registry=r,
         )  # fmt: skip
+        self._engine: Collector | None = None
 
     def bind_queue_depth(self, fn: Callable[[], float]) -> None:
         self.queue_depth.set_function(fn)
+
+    def bind_engine(self, collector: Collector | None) -> None:
+        """Serve ``collector``'s metrics (the engine's own) beside this app's; None: stop."""
+        if self._engine is not None:
+            self.registry.unregister(self._engine)
+        self._engine = collector
+        if collector is not None:
+            self.registry.register(collector)
+
+
+class VllmEngineMetrics:
+    """vLLM's own metrics (``vllm:*``: queue lengths, KV-cache usage, prefix-cache hits,
+    preemptions, token counts, latencies) as its stat logger records them in this process.
+
+    vLLM registers them in prometheus_client's global registry. When ``PROMETHEUS_MULTIPROC_DIR``
+    is set, prometheus_client keeps every process's values in files there instead, and they are
+    read from the files, as ``vllm serve`` reads them. Only ``vllm:*`` families pass: the app's
+    own metrics come from its registry, and in multiprocess mode the files hold those too.
+    """
+
+    PREFIX = "vllm:"
+
+    def __init__(self) -> None:
+        if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+            self._source = CollectorRegistry()
+            MultiProcessCollector(self._source)
+        else:
+            self._source = REGISTRY
+
+    def describe(self) -> Iterable[Metric]:
+        # Read at each scrape: vLLM registers its metrics when the engine starts, and
+        # re-registers them on a restart.
+        return ()
+
+    def collect(self) -> Iterable[Metric]:
+        return (m for m in self._source.collect() if m.name.startswith(self.PREFIX))

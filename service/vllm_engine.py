@@ -28,6 +28,7 @@ from .engine import (
     check_engine_fields,
 )
 from .errors import EngineUnavailableError, InvalidRequestError
+from .metrics import VllmEngineMetrics
 from .model_info import ModelInfo, moe_layout
 from .protocol import (
     ChatCompletionRequest,
@@ -256,6 +257,10 @@ class VllmBackend(EngineBackend):
 
     def num_unfinished(self) -> int:
         return -1 if self.engine is None else int(self.engine.get_num_unfinished_requests())
+
+    def engine_metrics(self) -> VllmEngineMetrics:
+        # vLLM's stat logger records them in this process (AsyncLLM runs here).
+        return VllmEngineMetrics()
 
     # -- request path ------------------------------------------------------------------------------
     def _sampling_params(

@@ -75,9 +75,10 @@ def dense_first_model(model_dir: Path) -> Path:
 
 @contextlib.contextmanager
 def start_service(
-    redis_url: str, tiny_model: Path, log_dir: Path, *flags: str
+    redis_url: str, tiny_model: Path, log_dir: Path, *flags: str, env: dict[str, str] | None = None
 ) -> Iterator[tuple[Service, subprocess.Popen]]:
-    """A ``routereplay serve`` of the tiny model (its own engine) on a free port."""
+    """A ``routereplay serve`` of the tiny model (its own engine) on a free port; ``env`` is
+    added to its environment."""
     port = free_port()
     log = log_dir / "serve.log"
     argv = [
@@ -85,7 +86,9 @@ def start_service(
         "--redis-url", redis_url, "--model-dir", str(tiny_model.parent),
         "--max-model-len", "2048", "--log-level", "warning", *flags,
     ]  # fmt: skip
-    with server_process(argv, f"http://127.0.0.1:{port}/ready", log, engine_env()) as proc:
+    with server_process(
+        argv, f"http://127.0.0.1:{port}/ready", log, engine_env(**(env or {}))
+    ) as proc:
         url = f"http://127.0.0.1:{port}"
         yield Service(url, MODEL_NAME, tiny_model, redis_url, log), proc
 
