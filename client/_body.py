@@ -64,11 +64,15 @@ class Block:
     ``prev_chain``: for a store chunk, the token chain before its first row (what its content
     address is computed from); None for whole records. ``chain``: the token chain after its
     rows, once its address was checked. ``max_id``: the largest expert id in its rows (-1: none
-    or unknown). Not to be changed once built: the codec's and the store's readers share them.
+    or unknown). ``weights``: a store chunk's weights plane, if it has one. Not to be changed
+    once built: the codec's and the store's readers share them.
     A slots class: one is built per store chunk, ~1500 per training step's read.
     """
 
-    __slots__ = ("canonical", "chain", "experts", "max_id", "prev_chain", "token_ids", "valid")
+    __slots__ = (
+        "canonical", "chain", "experts", "max_id", "prev_chain", "token_ids", "valid", "weights",
+        "weights_dtype",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -87,6 +91,9 @@ class Block:
         self.prev_chain = prev_chain
         self.chain = chain
         self.max_id = max_id
+        # A store chunk's weights plane: [M, T, K] float32 and its stored dtype; None: none.
+        self.weights: np.ndarray | None = None
+        self.weights_dtype: str | None = None
 
     def __repr__(self) -> str:
         return f"Block(T={self.token_ids.shape[0]}, experts={self.experts.shape})"

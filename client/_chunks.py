@@ -7,6 +7,8 @@ decodes ~1500 of them)::
     T u32 | E u32 | M u16 | K u16 | xf u8 | hp u8 | flags u8 | extra_planes u8
     | prev_chain 16 bytes | raw_len u32 | body_len u32 | body | extra plane sections
 
+The one extra plane this library writes and reads is ``weights`` (``_weights``).
+
 Decoding a batch: each chunk's frame and header are checked and its body decompressed (zstd
 releases the GIL), then the bodies that need a ``keep`` join are joined in one numpy call per
 shape, and each chunk's rows are hashed (BLAKE3 releases the GIL) and compared with its address.
@@ -25,6 +27,9 @@ from ._address import chunk_digest, next_chain
 from ._body import Block, BodyHead, Parsed, decompress, join_parsed, parse_body
 from ._errors import RouteCorruptError, RouteError
 from ._frame import HEADER, KIND_CHUNK, check_crc, check_header, check_short, frame
+from ._weights import decode_weights
+
+WEIGHTS = "weights"
 
 _CHUNK = struct.Struct("<IIHHBBBB16sII")
 _HEAD = struct.Struct(HEADER.format + _CHUNK.format[1:])  # the frame's header, then the chunk's
@@ -36,7 +41,7 @@ def chunk_blob(
     head: BodyHead, body: bytes, prev_chain: bytes, extra: Sequence[tuple[str, bytes]] = ()
 ) -> bytes:
     """A chunk's blob: its header, body and ``extra`` plane sections (name, stored bytes)."""
-    sections = b"".join(_section(name, data) for name, data in extra)
+    sections = sections_bytes(extra)
     fixed = _CHUNK.pack(
         head.T, head.E, head.M, head.K, head.xf, head.hp, _CANONICAL if head.canonical else 0,
         len(extra), prev_chain, head.raw_len, len(body),
@@ -49,31 +54,41 @@ def _section(name: str, data: bytes) -> bytes:
     return bytes([len(raw)]) + raw + _SECTION.pack(len(data)) + data
 
 
-def _sections(data: memoryview, count: int, what: str) -> None:
-    """Check that ``data`` is exactly ``count`` well-formed extra plane sections."""
+def sections_bytes(extra: Sequence[tuple[str, bytes]]) -> bytes:
+    """The extra plane sections as stored (what a chunk's address covers)."""
+    return b"".join(_section(name, data) for name, data in extra)
+
+
+def _sections(data: memoryview, count: int, what: str) -> dict[str, memoryview]:
+    """The ``count`` extra plane sections that ``data`` must be exactly, by name."""
     pos = 0
+    out: dict[str, memoryview] = {}
     for _ in range(count):
         if pos >= len(data):
             raise RouteCorruptError(f"{what}: extra plane sections end early")
+        name = bytes(data[pos + 1 : pos + 1 + data[pos]])
         pos += 1 + data[pos]
         if pos + 4 > len(data):
             raise RouteCorruptError(f"{what}: extra plane section truncated")
         (size,) = _SECTION.unpack_from(data, pos)
+        out[name.decode("utf-8", "replace")] = data[pos + 4 : pos + 4 + size]
         pos += 4 + size
     if pos != len(data):
         raise RouteCorruptError(f"{what}: extra plane sections do not fill the chunk")
+    return out
 
 
 class _Pending:
     """A chunk whose body is parsed, waiting for its batch's joins and its address check."""
 
-    __slots__ = ("crc", "digest", "extra", "parsed", "payload", "prev")
+    __slots__ = ("crc", "digest", "extra", "parsed", "payload", "prev", "weights")
 
     def __init__(
         self, digest: bytes, parsed: Parsed, prev: bytes, extra: memoryview, payload, crc
     ) -> None:
         self.digest, self.parsed, self.prev, self.extra = digest, parsed, prev, extra
         self.payload, self.crc = payload, crc
+        self.weights: memoryview | None = None
 
 
 def _parse(digest: bytes, blob: bytes, what: str) -> _Pending:
@@ -95,9 +110,11 @@ def _parse(digest: bytes, blob: bytes, what: str) -> _Pending:
     if end > len(mv):
         raise RouteCorruptError(f"{what}: body of {body_len} bytes runs past the chunk")
     extra = mv[end:]
-    _sections(extra, n_extra, what)
+    planes = _sections(extra, n_extra, what)
     parsed = parse_body(head, decompress(head, mv[_HEAD.size : end], what), what)
-    return _Pending(digest, parsed, prev, extra, mv[HEADER.size :], f[5])
+    p = _Pending(digest, parsed, prev, extra, mv[HEADER.size :], f[5])
+    p.weights = planes.get(WEIGHTS)
+    return p
 
 
 def _finish(p: _Pending, lm: np.ndarray, what: str) -> Block:
@@ -110,7 +127,10 @@ def _finish(p: _Pending, lm: np.ndarray, what: str) -> Block:
             "key, or altered bytes)"
         )
     top = int(lm.max()) if lm.size else -1
-    return Block(parsed.token_ids, lm, parsed.valid, parsed.head.canonical, p.prev, chain, top)
+    blk = Block(parsed.token_ids, lm, parsed.valid, parsed.head.canonical, p.prev, chain, top)
+    if p.weights is not None:  # decoded once its bytes are known to be the address's
+        blk.weights, blk.weights_dtype = decode_weights(p.weights, lm.shape, what)
+    return blk
 
 
 def _named(p: _Pending | None, blob: bytes, exc: RouteCorruptError, what: str) -> RouteError:

@@ -11,16 +11,46 @@ from typing import Any
 import numpy as np
 
 from ._body import BodyHead, decode_body, encode_body
-from ._errors import RouteCorruptError, RouteVersionError
+from ._errors import RouteCorruptError, RouteShapeError, RouteVersionError
 from ._frame import FORMAT_VERSION, KIND_RECORD, MEDIA_TYPE, frame_map, unframe_map
 from ._record import RouteRecord
+from ._weights import decode_weights, encode_weights
 
 __all__ = ["FORMAT_VERSION", "MEDIA_TYPE", "decode_record", "encode_record"]
 
 # The per-row planes this library reads. A blob lists the planes it holds; one it marks required
 # that is not here is refused (an older reader never replays part of a record).
-KNOWN_PLANES = frozenset({"ids"})
+KNOWN_PLANES = frozenset({"ids", "weights"})
 IDS_PLANES = [{"name": "ids", "required": True}]
+WEIGHTS = "weights"
+
+
+def planes_of(record: RouteRecord) -> list[dict[str, Any]]:
+    """The plane list of a record: ids, and its weights (optional: an older reader reads the ids
+    and ignores them) with the dtype they are stored in."""
+    if record.weights is None:
+        return IDS_PLANES
+    return [*IDS_PLANES, {"name": WEIGHTS, "required": False, "dtype": record.weights_dtype}]
+
+
+def weights_plane(p: dict[str, Any], what: str) -> str | None:
+    """The dtype of the weights a record or manifest lists in its planes; None: no weights."""
+    for x in p["planes"]:
+        if x.get("name") == WEIGHTS:
+            dtype = x.get("dtype")
+            if not isinstance(dtype, str):
+                raise RouteCorruptError(f"{what}: weights plane names no dtype")
+            return dtype
+    return None
+
+
+def check_slot_order(record: RouteRecord, canonical_order: bool) -> None:
+    """Weights are in the engine's slot order, so the ids must stay in it too."""
+    if canonical_order and record.weights is not None:
+        raise RouteShapeError(
+            "canonical_order sorts each row's experts, which would part them from their weights; "
+            "a record with weights is stored in the engine's slot order"
+        )
 
 
 def check_planes(p: dict[str, Any], what: str) -> None:
@@ -63,8 +93,9 @@ def encode_record(record: RouteRecord, *, canonical_order: bool = False) -> byte
 
     ``canonical_order=True`` sorts the K experts of each row (replay does not depend on their
     order) and lets the codec reach the order-insensitive information bound; the decoded record
-    then has sorted rows. The default round-trips every byte exactly.
+    then has sorted rows (not allowed with weights). The default round-trips every byte exactly.
     """
+    check_slot_order(record, canonical_order)
     head, body = encode_body(
         record.token_ids,
         record.layer_major(),
@@ -73,12 +104,15 @@ def encode_record(record: RouteRecord, *, canonical_order: bool = False) -> byte
         canonical_order=canonical_order,
     )
     payload = {**body_fields(head), "body": body, **record_fields(record)}
+    if record.weights is not None:
+        lm = record.weights.transpose(1, 0, 2)
+        payload[WEIGHTS] = encode_weights(lm, record.weights_dtype)  # type: ignore[arg-type]
     return frame_map(KIND_RECORD, payload)
 
 
 def record_fields(record: RouteRecord) -> dict[str, Any]:
     fields: dict[str, Any] = {
-        "planes": IDS_PLANES,
+        "planes": planes_of(record),
         "moe": list(record.moe_layers),
         "L": record.num_layers,
         "pl": record.prompt_len,
@@ -99,9 +133,10 @@ def record_from_parts(
     what: str,
     *,
     cls: type[RouteRecord] = RouteRecord,
+    weights: np.ndarray | None = None,
 ) -> RouteRecord:
     """A ``cls`` record from payload fields ``p`` and its rows (``experts``: what ``cls``
-    takes, ``[T, M, K]`` for a :class:`RouteRecord`)."""
+    takes, ``[T, M, K]`` for a :class:`RouteRecord`; ``weights`` ``[T, M, K]`` or None)."""
     try:
         return cls(
             token_ids=token_ids,
@@ -115,6 +150,8 @@ def record_from_parts(
             model=str(p["model"]),
             metadata=dict(p.get("meta") or {}),
             weight_versions=tuple(tuple(s) for s in p.get("wv") or ()),
+            weights=weights,
+            weights_dtype=None if weights is None else weights_plane(p, what),
         )
     except (KeyError, TypeError, ValueError) as exc:  # RouteShapeError is a ValueError
         raise RouteCorruptError(f"{what}: record fields malformed or inconsistent: {exc}") from exc
@@ -137,4 +174,16 @@ def decode_record(blob: bytes | bytearray | memoryview, *, what: str = "record")
         # The plain uint8 path views the decompressed bytes; a decoded record owns writable
         # arrays on every path, as joined store reads do.
         lm = lm.copy()
-    return record_from_parts(p, block.token_ids, lm.transpose(1, 0, 2), block.valid, what)
+    weights = None
+    dtype = weights_plane(p, what)
+    if dtype is not None:
+        data = p.get(WEIGHTS)
+        if not isinstance(data, bytes):
+            raise RouteCorruptError(f"{what}: payload field 'weights' missing or not bytes")
+        w_lm, got = decode_weights(data, lm.shape, what)
+        if got != dtype:
+            raise RouteCorruptError(f"{what}: weights stored as {got}, planes say {dtype}")
+        weights = w_lm.transpose(1, 0, 2)
+    return record_from_parts(
+        p, block.token_ids, lm.transpose(1, 0, 2), block.valid, what, weights=weights
+    )

@@ -20,13 +20,14 @@ import numpy as np
 
 from ._address import chain_seed, chunk_digest, token_chain
 from ._body import Block, encode_body
-from ._chunks import ChunkDecoder, chunk_blob, decode_chunks
-from ._codec import check_planes, record_fields, record_from_parts
+from ._chunks import WEIGHTS, ChunkDecoder, chunk_blob, decode_chunks, sections_bytes
+from ._codec import check_planes, check_slot_order, record_fields, record_from_parts, weights_plane
 from ._errors import RouteCorruptError, RouteError, RouteEvictedError, RouteShapeError
 from ._frame import KIND_MANIFEST, frame_map, unframe_map
 from ._keys import KeySchema, validate_route_id
 from ._record import RouteRecord, expert_dtype
 from ._transforms import canonicalize
+from ._weights import encode_weights
 
 __all__ = ["PutResult", "StoredRecord"]
 
@@ -71,6 +72,7 @@ class PutPlan:
     chunk_keys: list[str]
     block_rows: list[np.ndarray]  # contiguous [M, b, K] per chunk, reused by the encoder
     prev_chains: list[bytes]  # token chain before each chunk: readers verify the address with it
+    extras: list[list[tuple[str, bytes]]]  # each chunk's extra plane sections (its weights)
     index_entries: list[tuple[str, bytes]]
     manifest_key: str
     manifest_blob: bytes
@@ -88,7 +90,7 @@ class PutPlan:
                 canonical_order=self.canonical,
                 presorted=True,
             )
-            self.encoded[i] = chunk_blob(head, body, self.prev_chains[i])
+            self.encoded[i] = chunk_blob(head, body, self.prev_chains[i], self.extras[i])
         return self.encoded[i]
 
 
@@ -101,6 +103,7 @@ def plan_put(
     canonical_order: bool = False,
 ) -> PutPlan:
     validate_route_id(route_id)
+    check_slot_order(record, canonical_order)
     lm = record.layer_major()
     if canonical_order:
         lm = canonicalize(lm)
@@ -112,11 +115,13 @@ def plan_put(
     index_stop = record.version_stop()
     chunk_digests: list[bytes] = []
     block_rows: list[np.ndarray] = []
+    extras = _weights_sections(record, spans)
     index_entries: list[tuple[str, bytes]] = []
-    for (a, b), chain in zip(spans, chains, strict=True):
+    for (a, b), chain, extra in zip(spans, chains, extras, strict=True):
         rows = np.ascontiguousarray(lm[:, a:b, :])
         valid = record.valid[a:b]
-        digest = chunk_digest(chain, valid, rows)
+        # The address covers the weights as stored: equal ids with other weights never share.
+        digest = chunk_digest(chain, valid, rows, sections_bytes(extra))
         chunk_digests.append(digest)
         block_rows.append(rows)
         if b - a == block_size and b <= index_stop and valid.all():
@@ -139,11 +144,23 @@ def plan_put(
         chunk_keys=[keys.chunk(d) for d in chunk_digests],
         block_rows=block_rows,
         prev_chains=[seed, *chains[:-1]],
+        extras=extras,
         index_entries=index_entries,
         manifest_key=keys.manifest(route_id),
         manifest_blob=frame_map(KIND_MANIFEST, manifest),
         canonical=canonical_order,
     )
+
+
+def _weights_sections(
+    record: RouteRecord, spans: list[tuple[int, int]]
+) -> list[list[tuple[str, bytes]]]:
+    """Each chunk's extra plane sections: its weights plane, where the record has weights."""
+    if record.weights is None:
+        return [[] for _ in spans]
+    w_lm = record.weights.transpose(1, 0, 2)
+    dtype = record.weights_dtype
+    return [[(WEIGHTS, encode_weights(w_lm[:, a:b], dtype))] for a, b in spans]  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,6 +176,7 @@ class Manifest:
     E: int
     block_size: int
     digests: list[bytes]
+    weights_dtype: str | None = None  # the record's weights plane; None: it has none
 
     def needed(self, start: int) -> list[int]:
         """Indices of the chunks that hold rows ``start..T``."""
@@ -191,7 +209,7 @@ def parse_manifest(route_id: str, blob: bytes) -> Manifest:
         raise RouteCorruptError(f"{what}: {len(digests)} chunks cannot hold {T} rows of block {bs}")
     if p.get("id") != route_id:
         raise RouteCorruptError(f"{what}: manifest belongs to route {p.get('id')!r}")
-    return Manifest(route_id, p, T, M, K, E, bs, digests)
+    return Manifest(route_id, p, T, M, K, E, bs, digests, weights_plane(p, what))
 
 
 def _chunk_what(m: Manifest, index: int) -> str:
@@ -298,6 +316,7 @@ def assemble(
         got = [blocks[m.digests[i]] for i in needed]
     prev = m.seed() if needed and needed[0] == 0 else None
     parts: list[tuple[int, np.ndarray]] = []
+    weights: list[np.ndarray] | None = [] if m.weights_dtype is not None else None
     toks: list[np.ndarray] = []
     valids: list[np.ndarray] = []
     row = 0
@@ -327,6 +346,8 @@ def assemble(
                 f"route {m.route_id!r}: chunk {i} holds expert id {top} >= num_experts={E}"
             )
         parts.append((row, rows))
+        if weights is not None:
+            weights.append(_chunk_weights(m, i, blk, max(lo, 0)))
         row += rows.shape[1]
         if top > most:
             most = top
@@ -346,9 +367,24 @@ def assemble(
             [v, max(a, start) - start, b - start] for v, a, b in p.get("wv") or () if b > start
         ]
     p["E"] = m.E
+    w = None
+    if weights is not None:
+        w = np.concatenate(weights, axis=1) if weights else np.empty((m.M, 0, m.K), np.float32)
+        w = w.transpose(1, 0, 2)
     return record_from_parts(
-        p, tok, (parts, most), valid, f"route {m.route_id!r}", cls=StoredRecord
+        p, tok, (parts, most), valid, f"route {m.route_id!r}", cls=StoredRecord, weights=w
     )
+
+
+def _chunk_weights(m: Manifest, index: int, blk: Block, lo: int) -> np.ndarray:
+    """Chunk ``index``'s weights from row ``lo`` on, layer-major; the manifest lists a weights
+    plane, so a chunk without one (or in another dtype) is not this record's."""
+    if blk.weights is None or blk.weights_dtype != m.weights_dtype:
+        raise RouteCorruptError(
+            f"{_chunk_what(m, index)}: holds no {m.weights_dtype} weights plane, which its "
+            "manifest lists"
+        )
+    return blk.weights[:, lo:] if lo else blk.weights
 
 
 ReadResult = RouteRecord | RouteError | None
@@ -460,11 +496,14 @@ def plan_fill(keys: KeySchema, record: RouteRecord, block_size: int) -> FillPlan
 def apply_fill(plan: FillPlan, chunks: dict[int, tuple[bytes, bytes]]) -> tuple[RouteRecord, int]:
     """Copy valid rows of the found chunks (block -> (digest, bytes)) into the record's invalid
     rows. A chunk whose content does not match the address the index gave for this exact token
-    prefix is not trusted: its rows stay invalid."""
+    prefix is not trusted: its rows stay invalid. A record with weights takes a chunk's rows only
+    with their weights (a chunk without a weights plane in its dtype fills nothing); a record
+    without takes the ids alone."""
     rec = plan.record
     if not chunks:
         return rec, 0
     experts = np.array(rec.experts, copy=True)
+    weights = None if rec.weights is None else rec.weights.copy()
     valid = rec.valid.copy()
     filled = 0
     bs = plan.block_size
@@ -477,6 +516,7 @@ def apply_fill(plan: FillPlan, chunks: dict[int, tuple[bytes, bytes]]) -> tuple[
             or block.experts.shape != (rec.num_moe_layers, bs, rec.top_k)
             or block.chain != chain_of[i]
             or not np.array_equal(block.token_ids, rec.token_ids[a:b])
+            or (weights is not None and block.weights_dtype != rec.weights_dtype)
         ):
             # A hit whose content disagrees with the address the index gave for this exact token
             # prefix is not ours to trust.
@@ -484,6 +524,8 @@ def apply_fill(plan: FillPlan, chunks: dict[int, tuple[bytes, bytes]]) -> tuple[
         take = ~valid[a:b] & block.valid
         if take.any():
             experts[a:b][take] = block.experts.transpose(1, 0, 2)[take]
+            if weights is not None:  # a record with weights takes rows only with theirs
+                weights[a:b][take] = block.weights.transpose(1, 0, 2)[take]  # type: ignore[union-attr]
             valid[a:b] |= take
             filled += int(take.sum())
     if not filled:
@@ -493,7 +535,7 @@ def apply_fill(plan: FillPlan, chunks: dict[int, tuple[bytes, bytes]]) -> tuple[
     edges = np.flatnonzero(np.diff(np.concatenate([[0], newly.view(np.int8), [0]])))
     spans = [[int(a), int(b)] for a, b in zip(edges[::2], edges[1::2], strict=True)]
     out = dataclasses.replace(
-        rec, experts=experts, valid=valid,
+        rec, experts=experts, valid=valid, weights=weights,
         metadata={**rec.metadata, "rows_filled_from_index": filled, "filled_rows": spans},
     )  # fmt: skip
     return out, filled

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._errors import RouteShapeError
+from ._weights import check_weights
 
 _U32_MAX = (1 << 32) - 1  # token ids are stored as uint32
 
@@ -70,6 +71,11 @@ class RouteRecord:
         metadata: small free-form str/int/float/bool annotations (request id, engine, ...).
         weight_versions: which weights routed which rows: contiguous :class:`WeightSpan` s in row
             order (one span, unless the request crossed a weight update). Empty: unknown.
+        weights: ``[T, M, K]`` float32 or None — the routing (combine) weights the engine applied
+            to ``experts[t, m, k]``, same slot order, each exactly a ``weights_dtype`` value;
+            rows where ``valid`` is False hold 0. None: not captured.
+        weights_dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``: the dtype the engine
+            applied the weights in, which the store keeps them in bit-exact. Set with ``weights``.
     """
 
     token_ids: np.ndarray
@@ -83,6 +89,8 @@ class RouteRecord:
     model: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
     weight_versions: tuple[WeightSpan, ...] = ()
+    weights: np.ndarray | None = None
+    weights_dtype: str | None = None
 
     def __post_init__(self) -> None:
         self.weight_versions = tuple(WeightSpan(str(v), int(a), int(b))
@@ -93,6 +101,11 @@ class RouteRecord:
         self.valid = np.asarray(self.valid, dtype=bool)
         self.moe_layers = tuple(map(int, self.moe_layers))  # map: ~3x a genexpr, per record read
         self.metadata = dict(self.metadata)
+        if self.weights is not None:
+            w = np.asarray(self.weights)
+            if w.dtype == np.float16:  # exact in float32
+                w = w.astype(np.float32)
+            self.weights = w
         self.validate()
 
     # -- shape ------------------------------------------------------------------------------------
@@ -201,12 +214,28 @@ class RouteRecord:
                     f"contiguous from row 0 and within {T} rows"
                 )
             prev = b
+        self._validate_weights()
         # Every stored id (invalid rows too) must be a real expert: one vectorised max, no copy.
         # (1 << bits: np.iinfo costs ~3 us a call, and every record read is validated.)
         if e.size and self.num_experts < 1 << (8 * e.dtype.itemsize):
             top = self._max_expert_id()
             if top >= self.num_experts:
                 raise RouteShapeError(f"expert id {top} >= num_experts={self.num_experts}")
+
+    def _validate_weights(self) -> None:
+        w = self.weights
+        if w is None:
+            if self.weights_dtype is not None:
+                raise RouteShapeError(f"weights_dtype={self.weights_dtype!r} given without weights")
+            return
+        if not isinstance(w, np.ndarray) or w.dtype != np.float32:
+            raise RouteShapeError(f"weights must be a float32 array, got {getattr(w, 'dtype', w)}")
+        want = (self.num_tokens, self.num_moe_layers, self.top_k)
+        if w.shape != want:
+            raise RouteShapeError(f"weights have shape {w.shape}, experts {want}")
+        check_weights(w, self.weights_dtype)
+        if not self.valid.all() and w[~self.valid].view(np.uint32).any():
+            raise RouteShapeError("weights of rows where valid is False must be 0")
 
     # -- construction -----------------------------------------------------------------------------
     @classmethod
@@ -224,6 +253,8 @@ class RouteRecord:
         model: str = "",
         metadata: Mapping[str, Any] | None = None,
         weight_versions: Sequence[tuple[str, int, int]] = (),
+        routed_weights: np.ndarray | None = None,
+        weights_dtype: str | None = None,
     ) -> RouteRecord:
         """Build a record from an engine's ``routed_experts`` array.
 
@@ -232,6 +263,8 @@ class RouteRecord:
         sampled token is never routed). Dense layers come back as all-zero rows; they are dropped
         by ``moe_layers`` (global indices), never by an offset. Rows the engine did not return are
         marked invalid. ``weight_versions``: row spans (see :class:`WeightSpan`).
+        ``routed_weights``: ``[R, num_layers, K]`` float32 (or float16) routing weights in the same
+        rows, layers and slots, each exactly a ``weights_dtype`` value (dense layers dropped).
         """
         arr = np.asarray(routed_experts)
         tok = np.asarray(token_ids, dtype=np.int64)
@@ -266,6 +299,13 @@ class RouteRecord:
         experts[row_start : row_start + R] = routed
         valid = np.zeros(T, dtype=bool)
         valid[row_start : row_start + R] = True
+        weights = None
+        if routed_weights is not None:
+            rw = np.asarray(routed_weights)
+            if rw.shape != arr.shape:
+                raise RouteShapeError(f"routed_weights {rw.shape} != routed_experts {arr.shape}")
+            weights = np.zeros(experts.shape, dtype=np.float32)
+            weights[row_start : row_start + R] = rw[:, list(moe), :]
         return cls(
             token_ids=tok,
             experts=experts,
@@ -278,6 +318,8 @@ class RouteRecord:
             model=model,
             metadata=dict(metadata or {}),
             weight_versions=tuple(weight_versions),
+            weights=weights,
+            weights_dtype=weights_dtype,
         )
 
     # -- slicing and comparison -------------------------------------------------------------------
@@ -297,6 +339,7 @@ class RouteRecord:
             num_cached_tokens=min(self.num_cached_tokens, pl),
             metadata={**self.metadata, "row_start": start} if start else self.metadata,
             weight_versions=_clip_spans(self.weight_versions, start, stop),
+            weights=None if self.weights is None else self.weights[start:stop],
         )
 
     def same_routes(self, other: RouteRecord) -> bool:
@@ -321,6 +364,18 @@ class RouteRecord:
             and self.model == other.model
             and self.metadata == other.metadata
             and self.weight_versions == other.weight_versions
+            and self.same_weights(other)
+        )
+
+    def same_weights(self, other: RouteRecord) -> bool:
+        """True if both carry no weights, or the same dtype and bit-identical weights."""
+        a, b = self.weights, other.weights
+        if a is None or b is None:
+            return a is None and b is None
+        return (
+            self.weights_dtype == other.weights_dtype
+            and a.shape == b.shape
+            and np.array_equal(a.view(np.uint32), b.view(np.uint32))
         )
 
     def __repr__(self) -> str:

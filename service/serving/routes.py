@@ -57,6 +57,12 @@ def _as_json(route_id: str, rec: RouteRecord) -> dict[str, Any]:
         "num_cached_tokens": rec.num_cached_tokens,
         "metadata": rec.metadata,
         "weight_versions": [list(span) for span in rec.weight_versions],
+        # The routing weights' exact values (float32 holds every bf16/fp16 one) and their dtype.
+        **(
+            {}
+            if rec.weights is None
+            else {"weights": rec.weights.tolist(), "weights_dtype": rec.weights_dtype}
+        ),
     }
 
 
