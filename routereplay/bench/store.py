@@ -20,7 +20,16 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from routereplay.client import RouteRecord, RouteStore, decode_record, encode_record, expert_dtype
+from routereplay.client import (
+    DEFAULT_BLOCK_SIZE,
+    KeySchema,
+    RouteRecord,
+    RouteStore,
+    decode_record,
+    encode_record,
+    expert_dtype,
+)
+from routereplay.client._layout import plan_put
 from routereplay.local_redis import redis_server
 
 
@@ -134,13 +143,52 @@ def skewed_entropy_bits(E: int, zipf_s: float = SKEW_ZIPF_S, keep: float = SKEW_
     return h_keep + (1 - keep) * h_zipf
 
 
+def bf16_values(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 (to nearest, ties to even) as torch does, as float32."""
+    b = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    b = (b + np.uint32(0x7FFF) + ((b >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return b.view(np.float32)
+
+
+def softmax_routes(
+    rng: np.random.Generator, T: int, M: int, E: int, K: int, logit_std: float = 1.0
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(experts, weights)`` ``[T, M, K]`` as a Qwen3-MoE router computes them: softmax of
+    gaussian logits over E experts in float32, the top K by score (descending: the engine's slot
+    order), renormalised to sum to 1 (norm_topk_prob), then cast to bfloat16 (values float32)."""
+    experts = np.empty((T, M, K), dtype=expert_dtype(E))
+    weights = np.empty((T, M, K), dtype=np.float32)
+    step = max(1, (1 << 22) // (M * E))
+    for a in range(0, T, step):
+        b = min(a + step, T)
+        logits = rng.normal(0.0, logit_std, ((b - a) * M, E)).astype(np.float32)
+        p = np.exp(logits - logits.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        top = np.argpartition(-p, K - 1, axis=1)[:, :K]
+        w = np.take_along_axis(p, top, 1)
+        order = np.argsort(-w, axis=1, kind="stable")
+        top, w = np.take_along_axis(top, order, 1), np.take_along_axis(w, order, 1)
+        w /= w.sum(axis=1, keepdims=True)
+        experts[a:b] = top.reshape(b - a, M, K)
+        weights[a:b] = bf16_values(w).reshape(b - a, M, K)
+    return experts, weights
+
+
 def make_record(
-    shape: Shape, experts: np.ndarray, tokens: np.ndarray, prompt_len: int
+    shape: Shape,
+    experts: np.ndarray,
+    tokens: np.ndarray,
+    prompt_len: int,
+    weights: np.ndarray | None = None,
 ) -> RouteRecord:
     valid = np.ones(tokens.shape[0], bool)
     valid[-1] = False
     ex = experts.copy()
     ex[-1] = 0
+    w = None
+    if weights is not None:
+        w = weights.copy()
+        w[-1] = 0
     return RouteRecord(
         token_ids=tokens,
         experts=ex,
@@ -150,6 +198,8 @@ def make_record(
         num_experts=shape.num_experts,
         prompt_len=prompt_len,
         model=shape.name,
+        weights=w,
+        weights_dtype=None if w is None else "bfloat16",
     )
 
 
@@ -259,6 +309,47 @@ def bench_sizes_and_speed(rng: np.random.Generator, T: int, repeat: int) -> None
         " plain zstd's (our decode includes the crc32 check, the row transform and, for plain"
         " rows, a copy out of zstd's read-only output; records are token-major views of"
         " layer-major rows)."
+    )
+
+
+def _store_bytes(rec: RouteRecord, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Bytes of the record's store chunks (what a put of it alone writes, manifest aside)."""
+    plan = plan_put(KeySchema(), "bench", rec, block_size)
+    return sum(len(plan.chunk_blob(i)) for i in range(len(plan.spans)))
+
+
+def bench_weights(rng: np.random.Generator, T: int, repeat: int, logit_std: float) -> None:
+    print(
+        f"\n== Routing weights plane (one record of {T} tokens; bf16 weights: softmax of "
+        f"N(0, {logit_std}^2) logits, top-k, renormalised) =="
+    )
+    print(
+        f"{'shape':14s} {'ids B/tok':>9s} {'+w B/tok':>9s} {'w B/tok':>8s} {'w raw':>6s} "
+        f"{'w /raw':>7s} {'bits/w':>7s} {'store ids':>9s} {'store +w':>9s} "
+        f"{'enc ms':>7s} {'enc+w ms':>8s} {'dec ms':>7s} {'dec+w ms':>8s}"
+    )
+    for shape in SHAPES:
+        M, K = len(shape.moe_layers), shape.top_k
+        ex, w = softmax_routes(rng, T, M, shape.num_experts, K, logit_std)
+        rec = make_record(shape, ex, rng.integers(0, 151_000, T), T // 2, w)
+        ids = dataclasses.replace(rec, weights=None, weights_dtype=None)
+        b_ids, b_w = encode_record(ids), encode_record(rec)
+        raw_w = 2 * K * M  # bf16 bytes per token
+        w_tok = (len(b_w) - len(b_ids)) / T
+        times = [_best(lambda r=r: encode_record(r), repeat) for r in (ids, rec)] + [
+            _best(lambda b=b: decode_record(b), repeat) for b in (b_ids, b_w)
+        ]
+        print(
+            f"{shape.name:14s} {len(b_ids) / T:9.1f} {len(b_w) / T:9.1f} {w_tok:8.1f} "
+            f"{raw_w:6d} {w_tok / raw_w:7.3f} {8 * w_tok / (K * M):7.2f} "
+            f"{_store_bytes(ids) / T:9.1f} {_store_bytes(rec) / T:9.1f} "
+            + " ".join(f"{t * 1e3:{8 if i % 2 else 7}.1f}" for i, t in enumerate(times))
+        )
+    print(
+        "ids / +w B/tok = record blob bytes per token without / with the weights plane (token ids"
+        " included); w B/tok = their difference; w raw = 2*K*M (the bf16 weights uncompressed);"
+        " bits/w = stored bits per weight; store = bytes per token of the record's store chunks"
+        f" (block {DEFAULT_BLOCK_SIZE}, manifest aside); enc/dec = one record, best of {repeat}."
     )
 
 
@@ -392,8 +483,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--capacity-groups", type=int, default=8, help="GRPO groups for the Redis cost part"
     )
+    p.add_argument(
+        "--weights",
+        action="store_true",
+        help="measure only the routing weights plane (bf16 weights beside the ids)",
+    )
+    p.add_argument("--logit-std", type=float, default=1.0, help="router logit spread for --weights")
     args = p.parse_args(argv)
     rng = np.random.default_rng(args.seed)
+    if args.weights:
+        bench_weights(rng, args.tokens, args.repeat, args.logit_std)
+        return 0
     bench_sizes_and_speed(rng, args.tokens, args.repeat)
     if args.redis_url:
         bench_dedupe(rng, args.redis_url, args.prompt, args.completion)

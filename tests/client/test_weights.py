@@ -93,6 +93,25 @@ def test_record_blob_round_trips_bit_exact(dtype: str) -> None:
     assert not (np.diff(got.experts.astype(int), axis=2) > 0).all()
 
 
+def test_any_slot_order_and_any_values_round_trip() -> None:
+    rec = make(np.arange(40), 14, "float32")
+    rng = np.random.default_rng(14)
+    order = rng.permuted(np.tile(np.arange(K), (40, len(MOE), 1)), axis=2)
+    w = np.take_along_axis(rec.weights, order, 2)  # slots that do not fall (the plain coding)
+    w[:5] = rng.normal(size=(5, len(MOE), K)).astype(np.float32) * 1e30  # signs, large values
+    w[5, 0] = [np.inf, -np.inf, np.float32(1e-45), -0.0]  # infinities, a subnormal
+    ex = np.take_along_axis(rec.experts, order, 2)
+    shuffled = dataclasses.replace(rec, experts=ex, weights=w)
+    got = decode_record(encode_record(shuffled))
+    assert bits_equal(got.weights, w) and np.array_equal(got.experts, ex)
+
+
+def test_empty_record_with_weights() -> None:
+    rec = make(np.arange(0), 15)
+    got = decode_record(encode_record(rec))
+    assert got == rec and got.weights.shape == (0, len(MOE), K)
+
+
 def test_slot_order_cannot_be_canonicalised_with_weights(store: RouteStore) -> None:
     rec = make(np.arange(20), 2)
     with pytest.raises(RouteShapeError, match="slot order"):

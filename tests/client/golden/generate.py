@@ -5,17 +5,22 @@ Contents: whole-record blobs, and a store's manifests and chunks for a GRPO grou
 prompt (uint8 ids, a weight update inside one sample) and for records of 384 experts (uint16
 ids), with chunks re-encoded under every row transform and high-bit layout; beside each, the
 rows it must decode to.
+
+``generate.py weights`` wrote tests/client/golden/format1-weights.msgpack the same way (never
+regenerated either): records with the optional weights plane in bfloat16 (a GRPO group sharing
+its prompt's chunks, slots in and out of score order), float16 and float32.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import msgpack
 import numpy as np
 
-from routereplay.bench.store import skewed_routes, uniform_routes
+from routereplay.bench.store import skewed_routes, softmax_routes, uniform_routes
 from routereplay.client import RouteRecord, encode_record
 from routereplay.client import _transforms as X
 from routereplay.client._body import encode_body
@@ -131,5 +136,64 @@ def main(path: str) -> None:
     Path(path).write_bytes(msgpack.packb(doc, use_bin_type=True))
 
 
+# ---------------------------------------------------------------------------------------------
+# format1-weights.msgpack: records with the optional weights plane (run with ``weights``)
+# ---------------------------------------------------------------------------------------------
+def _expect_weights(r: RouteRecord) -> dict:
+    return {**_expect(r), "weights": _arr(r.weights), "weights_dtype": r.weights_dtype}
+
+
+def _with_weights(experts: np.ndarray, w: np.ndarray, tokens: np.ndarray, E: int, dtype: str,
+                  **kw) -> RouteRecord:  # fmt: skip
+    r = _record(experts, tokens, E, **kw)
+    w = w.copy()
+    w[-1] = 0
+    if dtype == "float16":
+        w = w.astype(np.float16).astype(np.float32)
+    elif dtype == "float32":
+        w = w * np.float32(1.0009765625)  # off the bf16 grid: the low mantissa bytes in use
+    return dataclasses.replace(r, weights=w.astype(np.float32), weights_dtype=dtype)
+
+
+def weight_records() -> dict[str, RouteRecord]:
+    rng = np.random.default_rng(20261128)
+    prompt = rng.integers(0, 50_000, 300)
+    p_ex, p_w = softmax_routes(rng, 300, 4, 128, 8)
+    out = {}
+    for i, n in enumerate((200, 90)):  # a GRPO group: the prompt's ids and weights alike
+        tok = np.concatenate([prompt, rng.integers(0, 50_000, n)])
+        c_ex, c_w = softmax_routes(rng, n, 4, 128, 8)
+        out[f"bf16-grpo-{i}"] = _with_weights(
+            np.concatenate([p_ex, c_ex]), np.concatenate([p_w, c_w]), tok, 128, "bfloat16",
+            prompt_len=300, num_cached_tokens=256, metadata={"sample": i},
+        )  # fmt: skip
+    ex, w = softmax_routes(rng, 260, 3, 384, 4)
+    out["fp32-wide"] = _with_weights(ex, w, rng.integers(0, 50_000, 260), 384, "float32")
+    ex, w = softmax_routes(rng, 150, 2, 64, 6)
+    out["fp16"] = _with_weights(ex, w, rng.integers(0, 50_000, 150), 64, "float16")
+    # Slots out of score order (the plain coding): ids and weights permuted alike.
+    perm = rng.permuted(np.tile(np.arange(6), (150, 2, 1)), axis=2)
+    out["bf16-unsorted"] = _with_weights(np.take_along_axis(ex, perm, 2),
+                                         np.take_along_axis(w, perm, 2),
+                                         rng.integers(0, 50_000, 150), 64, "bfloat16")  # fmt: skip
+    return out
+
+
+def main_weights(path: str) -> None:
+    recs = weight_records()
+    manifests, chunks = store_blobs(recs)
+    doc = {
+        "records": {rid: encode_record(r) for rid, r in recs.items()},
+        "manifests": manifests,
+        "chunks": chunks,
+        "expect": {rid: _expect_weights(r) for rid, r in recs.items()},
+    }
+    Path(path).write_bytes(msgpack.packb(doc, use_bin_type=True))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).with_name("format1.msgpack")))
+    if sys.argv[1:2] == ["weights"]:
+        here = Path(__file__).with_name("format1-weights.msgpack")
+        main_weights(sys.argv[2] if len(sys.argv) > 2 else str(here))
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).with_name("format1.msgpack")))
