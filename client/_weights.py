@@ -63,17 +63,24 @@ def check_weights(weights: np.ndarray, dtype: str | None) -> None:
         )
     if code == 3 or not weights.size:
         return
-    back = _values(_bits(weights, code), code)
-    bad = np.flatnonzero(back.view(np.uint32) != weights.view(np.uint32))
-    if bad.size:
-        v = float(weights.reshape(-1)[bad[0]])
-        raise RouteShapeError(f"weights hold {v!r}, which is not exactly a {dtype} value")
+    u = weights.view(np.uint32)
+    if code == 1:  # a bfloat16 value is a float32 whose low 16 bits are 0
+        bad = (u & np.uint32(0xFFFF)) != 0
+    else:
+        bad = _values(_bits(weights, code), code).view(np.uint32) != u
+    # Elementwise in the array's memory order (a stored record's weights are a strided view):
+    # no copy, and the position is looked up only on failure.
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise RouteShapeError(
+            f"weights{list(at)} = {float(weights[at])!r} is not exactly a {dtype} value"
+        )
 
 
 def encode_weights(weights_lm: np.ndarray, dtype: str) -> bytes:
     """The plane's bytes for layer-major float32 weights ``[M, T, K]`` stored as ``dtype``."""
     code = WEIGHTS_DTYPES[dtype]
-    bits = _bits(np.ascontiguousarray(weights_lm, dtype=np.float32), code)
+    bits = _bits(np.asarray(weights_lm, dtype=np.float32), code)  # [M, T, K], any layout
     slots = np.ascontiguousarray(np.moveaxis(bits, 2, 0)).reshape(bits.shape[2], -1)  # [K, M*T]
     coding = _PLAIN
     if slots.shape[0] > 1 and slots.shape[1] and (slots[:-1] >= slots[1:]).mean() >= _FALLING:
