@@ -12,7 +12,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from routereplay.client import RouteRecord, _codec, decode_record
+from routereplay.client import RouteRecord, _codec, _layout, decode_record
 from routereplay.client._chunks import _CHUNK
 from routereplay.client._frame import HEADER
 from routereplay.client._layout import finish_read, plan_read
@@ -87,3 +87,14 @@ def test_a_reader_without_the_weights_plane_reads_the_ids(monkeypatch) -> None:
         rec = decode_record(blob)
         assert rec.weights is None
         assert np.array_equal(rec.experts, _arr(doc["expect"][rid]["experts"]))
+
+
+def test_a_store_reader_without_the_weights_plane_reads_the_ids(monkeypatch) -> None:
+    monkeypatch.setattr(_codec, "KNOWN_PLANES", frozenset({"ids"}))
+    monkeypatch.setattr(_layout, "weights_plane", lambda p, what: None)
+    doc = _load()
+    ids = sorted(doc["manifests"])
+    got = finish_read(plan_read(ids, [doc["manifests"][i] for i in ids], 130), doc["chunks"])
+    for rid, rec in zip(ids, got, strict=True):
+        assert rec.weights is None
+        assert np.array_equal(rec.experts, _arr(doc["expect"][rid]["experts"])[130:])

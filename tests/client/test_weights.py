@@ -271,3 +271,39 @@ def test_fill_copies_weights_only_with_them(store: RouteStore) -> None:
     # One in another dtype takes nothing: its filled rows would have no weights of its dtype.
     other = dataclasses.replace(partial, weights=w, weights_dtype="float32")
     assert store.fill_from_prefix_index(other)[1] == 0
+
+
+def test_empty_and_async_puts_keep_weights(redis_url: str) -> None:
+    import asyncio
+
+    from routereplay.client import AsyncRouteStore
+
+    async def run() -> None:
+        s = AsyncRouteStore.from_url(redis_url, prefix=f"ra{uuid.uuid4().hex[:6]}", block_size=16)
+        try:
+            empty, full = make(np.arange(0), 16), make(np.arange(37), 17)
+            await s.put("empty", empty)
+            await s.put("full", full)
+            got_e, got_f = await s.get_many(["empty", "full"])
+            assert got_e == empty and got_e.weights.shape == (0, len(MOE), K)
+            assert got_f == full and bits_equal(got_f.weights, full.weights)
+        finally:
+            await s.close()
+
+    asyncio.run(run())
+
+
+def test_a_chunk_without_the_listed_weights_is_refused(store: RouteStore, redis_url: str) -> None:
+    rec = make(np.arange(20), 18)
+    r = rid()
+    store.put(r, dataclasses.replace(rec, weights=None, weights_dtype=None))
+    client = redis.Redis.from_url(redis_url)
+    try:  # a manifest that lists a weights plane its chunks do not hold
+        key = store.keys.manifest(r)
+        p = unframe_map(client.get(key), 3, "m")
+        p["planes"] = [*p["planes"], {"name": "weights", "required": False, "dtype": "bfloat16"}]
+        client.set(key, frame_map(3, p))
+    finally:
+        client.close()
+    with pytest.raises(RouteCorruptError, match="holds no bfloat16 weights plane"):
+        store.get(r)
