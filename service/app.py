@@ -39,6 +39,11 @@ def make_backend(settings: Settings) -> EngineBackend:
 
         if not settings.upstream_url:
             raise ValueError("backend=upstream needs upstream_url (ROUTEREPLAY_UPSTREAM_URL)")
+        if settings.route_weights != "off":
+            raise ValueError(
+                "--route-weights needs the in-process engine: vLLM's server returns no routing "
+                "weights (serve with --backend vllm, or --route-weights off)"
+            )
         key = settings.upstream_api_key
         return UpstreamBackend(
             settings.upstream_url,
@@ -53,6 +58,7 @@ def make_backend(settings: Settings) -> EngineBackend:
         return SyntheticBackend(
             name=settings.served_model_name or "synthetic-moe",
             max_model_len=settings.max_model_len,
+            route_weights=settings.route_weights,
         )
     from .vllm_engine import VllmBackend
 
@@ -75,6 +81,7 @@ def make_backend(settings: Settings) -> EngineBackend:
         tensor_parallel_size=settings.tensor_parallel_size,
         extra_engine_args=settings.engine_args,
         cpu_bind=settings.cpu_bind,
+        route_weights=settings.route_weights,
     )
 
 

@@ -86,6 +86,12 @@ class RouteCapture:
         """The record of one choice: tokens ``[T]`` = prompt + completion, experts of MoE layers."""
         info = self.info
         T = len(prompt_token_ids) + len(fin.output_token_ids)
+        # Only with weights: a record without them is built as before weights existed.
+        weights = (
+            {}
+            if fin.routed_weights is None
+            else {"routed_weights": fin.routed_weights, "weights_dtype": fin.weights_dtype}
+        )
         return RouteRecord.from_engine(
             fin.routed_experts,
             np.asarray(prompt_token_ids + fin.output_token_ids, dtype=np.int64),
@@ -98,6 +104,7 @@ class RouteCapture:
             model=info.name,
             metadata={"request_id": request_id, "choice": fin.index, "finish": fin.finish_reason},
             weight_versions=row_spans(fin.weight_versions, len(prompt_token_ids), T),
+            **weights,
         )
 
     async def _fill(
@@ -166,7 +173,10 @@ class RouteCapture:
         handle: RouteHandle,
     ) -> RouteHandle:
         try:
-            if fin.routed_experts.nbytes > self.offload_bytes:
+            nbytes = fin.routed_experts.nbytes
+            if fin.routed_weights is not None:
+                nbytes += fin.routed_weights.nbytes
+            if nbytes > self.offload_bytes:
                 record = await asyncio.to_thread(self.build, fin, prompt_token_ids, request_id)
             else:
                 record = self.build(fin, prompt_token_ids, request_id)
@@ -193,6 +203,8 @@ class RouteCapture:
         handle.status = "stored"
         handle.num_valid_rows = int(record.valid.sum())
         handle.weight_version = record.weight_version
+        handle.weights = fin.routed_weights is not None
+        handle.weights_dtype = fin.weights_dtype if handle.weights else None
         handle.weight_versions = [
             WeightSpanOut(version=v, start=a, stop=b) for v, a, b in record.weight_versions
         ] or None

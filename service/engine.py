@@ -46,8 +46,10 @@ __all__ = [
     "PauseMode",
     "PromptRendered",
     "RLControl",
+    "RouteWeightsMode",
     "TokenLogprob",
     "check_engine_fields",
+    "wants_route_weights",
 ]
 
 
@@ -110,11 +112,34 @@ class ChoiceFinished:
     # vLLM's spans over OUTPUT tokens: tokens [start, end) were sampled by weights ``version``.
     # None: the engine did not say (the record's versions are then unknown).
     weight_versions: list[tuple[str, int, int]] | None = None
+    # The routing weights applied to ``routed_experts``: same shape and slots, float32 holding
+    # values of ``weights_dtype``; None when the request did not ask for them.
+    routed_weights: np.ndarray | None = None
+    weights_dtype: str | None = None
 
 
 EngineEvent = PromptRendered | ChoiceDelta | ChoiceFinished
 
 PauseMode = Literal["abort", "wait", "keep"]
+
+# --route-weights: off (no capture: requests may not ask), request (captured; stored for the
+# requests that ask), on (stored unless a request says false).
+RouteWeightsMode = Literal["off", "request", "on"]
+
+
+def wants_route_weights(request: ChatCompletionRequest | CompletionRequest, mode: str) -> bool:
+    """Whether this request's routes are stored with their weights; 400 if it asks for them
+    from an engine started without the capture."""
+    asked = request.routed_experts_weights
+    wanted = asked if asked is not None else mode == "on"
+    if wanted and mode == "off":
+        raise InvalidRequestError(
+            "routed_experts_weights: this service captures no routing weights (start it with "
+            "--route-weights request or on)",
+            param="routed_experts_weights",
+            code="unsupported",
+        )
+    return wanted
 
 
 class RLControl(abc.ABC):

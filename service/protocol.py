@@ -150,6 +150,9 @@ class SamplingFields(_Request):
     # earlier turns' rows are already stored). The skipped rows are filled from the store's
     # token-prefix index; what it cannot fill is marked invalid.
     routed_experts_prompt_start: int = Field(0, ge=0, le=INT64_MAX)
+    # routereplay: store the combine weights the engine applied beside the expert ids (the
+    # record's ``weights``). Unset: the service's --route-weights default.
+    routed_experts_weights: bool | None = None
 
     @field_validator("stop")
     @classmethod
@@ -315,6 +318,9 @@ class RouteHandle(BaseModel):
     num_experts: int
     weight_version: str | None = None
     weight_versions: list[WeightSpanOut] | None = None
+    # True when the record holds the engine's routing weights (in ``weights_dtype``).
+    weights: bool = False
+    weights_dtype: str | None = None
     error: str | None = None
 
 

@@ -113,6 +113,12 @@ class Settings(BaseSettings):
         "auto", description="engine dtype (the tiny model defaults to float32)"
     )
     max_model_len: int = Field(2048, ge=16, description="context length")
+    route_weights: Literal["off", "request", "on"] = Field(
+        "off",
+        description="routing weights beside the expert ids (in-process vllm and synthetic "
+        "backends). off: not captured, a request asking gets a 400; request: captured, stored "
+        "for requests with routed_experts_weights=true; on: stored unless a request says false",
+    )
     seed: int = Field(0, description="engine seed")
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="default 0.5 on CPU, 0.9 on GPU"

@@ -10,7 +10,8 @@ service cannot tell the two apart:
   ``temperature=0`` is greedy (every choice equal, so ``n > 1`` is refused as vLLM refuses it);
 - routes are vLLM-shaped: ``[T - 1, num_layers, top_k]`` uint8 from ``routed_experts_prompt_start``
   on, dense layers all zero; row ``p`` depends only on tokens ``0..p`` (a shared prefix routes
-  identically, as in a real engine) and is given by :func:`synthetic_routes`;
+  identically, as in a real engine) and is given by :func:`synthetic_routes`; with
+  ``route_weights`` on, their weights (float32, each row summing to 1) by :func:`synthetic_weights`;
 - prompt-prefix reuse is reported in ``num_cached_tokens`` in whole blocks, as by a prefix cache.
 
 Faults for tests: :meth:`SyntheticBackend.kill` (the engine dies: running streams end with
@@ -37,8 +38,10 @@ from .engine import (
     PauseMode,
     PromptRendered,
     RLControl,
+    RouteWeightsMode,
     TokenLogprob,
     check_engine_fields,
+    wants_route_weights,
 )
 from .errors import EngineUnavailableError, InvalidRequestError
 from .model_info import ModelInfo
@@ -52,7 +55,7 @@ from .protocol import (
     TokenizeResponse,
 )
 
-__all__ = ["SyntheticBackend", "render_chat", "synthetic_routes"]
+__all__ = ["SyntheticBackend", "render_chat", "synthetic_routes", "synthetic_weights"]
 
 _MASK = (1 << 64) - 1
 _VOCAB = 256  # byte-level
@@ -108,6 +111,17 @@ def synthetic_routes(
     return out
 
 
+def synthetic_weights(routes: np.ndarray, moe_layers: Sequence[int]) -> np.ndarray:
+    """The weights the synthetic engine reports for ``routes``: same shape, float32; slot ``j``
+    of a MoE row is ``1 + (7 * expert + 3 * j) % 5`` over the row's sum, dense layers 0."""
+    slots = np.arange(routes.shape[2], dtype=np.int64)
+    raw = (1 + (7 * routes.astype(np.int64) + 3 * slots) % 5).astype(np.float32)
+    out = np.zeros(routes.shape, dtype=np.float32)
+    moe = list(moe_layers)
+    out[:, moe] = raw[:, moe] / raw[:, moe].sum(axis=-1, keepdims=True)
+    return out
+
+
 def _content_text(content: object) -> str:
     if content is None:
         return ""
@@ -143,7 +157,9 @@ class SyntheticBackend(EngineBackend):
         max_model_len: int = 2048,
         step_delay_s: float = 0.0,
         block_size: int = 16,
+        route_weights: RouteWeightsMode = "request",
     ) -> None:
+        self.route_weights = route_weights
         self.info = ModelInfo(
             name=name,
             num_layers=num_layers,
@@ -282,6 +298,7 @@ class SyntheticBackend(EngineBackend):
         if self._dead:
             raise EngineUnavailableError("engine is dead", code="engine_dead")
         check_engine_fields(r)
+        weights = wants_route_weights(r, self.route_weights)
         prompt = render()
         info = self.info
         if len(prompt) >= info.max_model_len:
@@ -343,7 +360,7 @@ class SyntheticBackend(EngineBackend):
                     if aborted:
                         finished[i] = "abort"
                         yield self._finished(
-                            i, prompt, outs[i], "abort", cached, r, salts[i], versions[i]
+                            i, prompt, outs[i], "abort", cached, r, salts[i], versions[i], weights
                         )
                         continue
                     # This step's forward routes the prompt (step 0) or the previous token.
@@ -365,8 +382,9 @@ class SyntheticBackend(EngineBackend):
                         finished[i] = "length"
                     if finished[i] is not None:
                         yield self._finished(
-                            i, prompt, outs[i], finished[i], cached, r, salts[i], versions[i]
-                        )
+                            i, prompt, outs[i], finished[i], cached, r, salts[i], versions[i],
+                            weights,
+                        )  # fmt: skip
                 if all(f is not None for f in finished):
                     break
         finally:
@@ -383,6 +401,7 @@ class SyntheticBackend(EngineBackend):
         r: ChatCompletionRequest | CompletionRequest,
         salts: list[int],
         versions: list[str],
+        weights: bool,
     ) -> ChoiceFinished:
         info = self.info
         T = len(prompt) + len(out)
@@ -411,6 +430,8 @@ class SyntheticBackend(EngineBackend):
             routed_experts=routes,
             routes_row_start=r.routed_experts_prompt_start,
             weight_versions=spans,
+            routed_weights=synthetic_weights(routes, info.moe_layers) if weights else None,
+            weights_dtype="float32" if weights else None,
         )
 
     @staticmethod

@@ -29,7 +29,7 @@ from .engine import (
     PromptRendered,
     RLControl,
 )
-from .errors import EngineUnavailableError, ServiceError
+from .errors import EngineUnavailableError, InvalidRequestError, ServiceError
 from .model_info import ModelInfo, moe_layout
 from .protocol import (
     ChatCompletionRequest,
@@ -43,7 +43,7 @@ from .protocol import (
 __all__ = ["UpstreamBackend", "UpstreamError"]
 
 # routereplay's own request fields; the upstream would reject or misread them.
-_OWN_FIELDS = ("return_routed_experts", "stream", "stream_options")
+_OWN_FIELDS = ("return_routed_experts", "routed_experts_weights", "stream", "stream_options")
 
 
 class UpstreamError(ServiceError):
@@ -170,6 +170,14 @@ class UpstreamBackend(EngineBackend):
 
     def _body(self, req: Any) -> dict[str, Any]:
         """The request as the client sent it (extensions included), for the upstream's model."""
+        if getattr(req, "routed_experts_weights", None):
+            # vLLM's server returns ids only; a record without the weights asked for is refused.
+            raise InvalidRequestError(
+                "routed_experts_weights: the upstream vLLM server returns no routing weights "
+                "(only the in-process engine, --backend vllm --route-weights, captures them)",
+                param="routed_experts_weights",
+                code="unsupported",
+            )
         body = {k: v for k, v in req.model_dump(exclude_unset=True).items() if k not in _OWN_FIELDS}
         body["model"] = self.upstream_model
         return body

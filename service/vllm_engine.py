@@ -24,8 +24,10 @@ from .engine import (
     PauseMode,
     PromptRendered,
     RLControl,
+    RouteWeightsMode,
     TokenLogprob,
     check_engine_fields,
+    wants_route_weights,
 )
 from .errors import EngineUnavailableError, InvalidRequestError
 from .metrics import VllmEngineMetrics
@@ -155,8 +157,11 @@ class VllmBackend(EngineBackend):
         tensor_parallel_size: int = 1,
         extra_engine_args: dict[str, Any] | None = None,
         cpu_bind: str = "auto",
+        route_weights: RouteWeightsMode = "off",
     ) -> None:
         self.model = model
+        self.route_weights = route_weights
+        self._weights_dtype: str | None = None
         self._cpu_bind = cpu_bind
         self.served_model_name = served_model_name
         self._kw = dict(
@@ -193,6 +198,7 @@ class VllmBackend(EngineBackend):
             for k, v in cpu_engine_env().items():
                 os.environ.setdefault(k, v)
             set_omp_threads_bind(self._cpu_bind)
+        self._set_route_weights_env()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -230,6 +236,28 @@ class VllmBackend(EngineBackend):
             root=self.model,
             max_token_bytes=_max_token_bytes(self._tokenizer),
         )
+
+    def _set_route_weights_env(self) -> None:
+        """Tell the general plugin in vLLM's processes (spawned with this environment) whether
+        to install the routing-weight capture; refuse here a vLLM it does not know."""
+        from ._route_weights import ENV, check_supported
+
+        if self.route_weights != "off":
+            check_supported()
+        os.environ[ENV] = "0" if self.route_weights == "off" else "1"
+
+    async def _route_weights_dtype(self) -> str:
+        """The dtype the engine's router handed its weights in, as its workers saw it."""
+        if self._weights_dtype is None:
+            seen = await self.engine.collective_rpc("routereplay_route_weights_dtype")
+            dtypes = {d for d in seen if d is not None}
+            if len(dtypes) != 1:
+                raise EngineUnavailableError(
+                    f"the engine's workers report routing-weight dtypes {sorted(dtypes)}",
+                    code="engine_error",
+                )
+            self._weights_dtype = dtypes.pop()
+        return self._weights_dtype
 
     async def close(self) -> None:
         if self.engine is not None:
@@ -424,9 +452,10 @@ class VllmBackend(EngineBackend):
                 param=field,
             )
         params = self._sampling_params(req.request, len(prompt_ids))
+        weights = wants_route_weights(req.request, self.route_weights)
         n = params.n
         self._inflight[req.engine_request_id] = req.request_id
-        run = self._run(req, prompt, prompt_ids, params, n)
+        run = self._run(req, prompt, prompt_ids, params, n, weights)
         try:
             async for ev in run:
                 yield ev
@@ -436,7 +465,13 @@ class VllmBackend(EngineBackend):
             self._inflight.pop(req.engine_request_id, None)
 
     async def _run(
-        self, req: GenerationRequest, prompt: Any, prompt_ids: list[int], params: Any, n: int
+        self,
+        req: GenerationRequest,
+        prompt: Any,
+        prompt_ids: list[int],
+        params: Any,
+        n: int,
+        weights: bool,
     ) -> AsyncIterator[EngineEvent]:
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
@@ -482,11 +517,13 @@ class VllmBackend(EngineBackend):
                             continue
                         done.add(i)
                         pending.pop(i, None)
-                        yield self._finished(o, out_ids[i], out.num_cached_tokens, row_start)
+                        fin = self._finished(o, out_ids[i], out.num_cached_tokens, row_start)
+                        yield await self._split_weights(fin, weights)
                 if out.finished:
                     for i, o in list(pending.items()):
                         done.add(i)
-                        yield self._finished(o, out_ids[i], out.num_cached_tokens, row_start)
+                        fin = self._finished(o, out_ids[i], out.num_cached_tokens, row_start)
+                        yield await self._split_weights(fin, weights)
                     pending.clear()
         except EngineDeadError as e:
             raise EngineUnavailableError(
@@ -498,6 +535,24 @@ class VllmBackend(EngineBackend):
         finally:
             # Closing an unfinished vLLM stream aborts the request in the engine.
             await outputs.aclose()
+
+    async def _split_weights(self, fin: ChoiceFinished, wanted: bool) -> ChoiceFinished:
+        """With the capture on, the engine's rows carry ids and weights: vLLM's ids for every
+        request, the weights only for requests that asked."""
+        if self.route_weights == "off" or fin.routed_experts is None:
+            return fin
+        from ._route_weights import split_routes
+
+        try:
+            ids, w = split_routes(fin.routed_experts, self.info.top_k, self.info.num_experts)
+        except ValueError as e:
+            fin.routed_experts, fin.routes_error = None, str(e)
+            return fin
+        fin.routed_experts = ids
+        if wanted:
+            fin.routed_weights = w
+            fin.weights_dtype = await self._route_weights_dtype()
+        return fin
 
     @staticmethod
     def _finished(

@@ -1,0 +1,241 @@
+"""Routing-weight capture for the in-process vLLM engine: the combine weights beside the ids.
+
+vLLM's routed-experts capture records only ``topk_ids``. This extension widens that capture in
+place, without forking vLLM: every routed row becomes ``[num_layers, 2 * top_k]`` int32, the ids
+in slots ``:K`` and the float32 bit patterns of the weights in slots ``K:``. The weights are the
+router's ``topk_weights`` as handed to the experts (after renormalisation and any routed scaling,
+in the router's slot order, so slot ``k`` of a weight belongs to slot ``k`` of an id). Everything
+downstream in vLLM (step snapshots, the prefix-cache block store, engine outputs) is generic over
+the row shape and dtype, so cached-prefix rows carry their weights too.
+
+Patch points (vLLM 0.32.0, checked by :func:`check_supported` before the engine starts):
+
+- ``BaseRouter._select_experts`` hands ``topk_weights`` to the capture callback with the ids;
+- ``RoutedExpertsCapturer.__init__`` / ``capture`` / ``snapshot_routing_data`` hold the wide row;
+- the worker connector's ``bind_routed_experts_capturer`` refuses routers that would call the
+  capture with ids only (model-specific routers, monolithic kernels' sinks);
+- ``WorkerWrapperBase.routereplay_route_weights_dtype`` reports the dtype the weights had.
+
+The worker installs it from the general plugin when the service sets ``ROUTEREPLAY_ROUTE_WEIGHTS``
+(``--route-weights request|on``); without it vLLM runs untouched.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "ENV",
+    "RouteWeightsUnsupported",
+    "check_supported",
+    "install",
+    "split_routes",
+]
+
+ENV = "ROUTEREPLAY_ROUTE_WEIGHTS"
+SUPPORTED_VLLM = ("0.32.0",)
+# The one line of BaseRouter._select_experts this extension replaces: its shape is checked so a
+# vLLM that moved the capture (or dropped it) is refused instead of silently capturing nothing.
+_CAPTURE_CALL = "self.capture_fn(topk_ids)"
+# The router's weight dtype seen by this worker (None until the first routed forward).
+_weights_dtype: str | None = None
+
+
+class RouteWeightsUnsupported(RuntimeError):
+    """This vLLM's internals are not the ones the capture extension patches."""
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def _symbols() -> dict[str, Any]:
+    """The vLLM objects the extension patches, by their dotted names (missing ones absent)."""
+    import importlib
+
+    found: dict[str, Any] = {}
+    wanted = {
+        "vllm.model_executor.layers.fused_moe.router.base_router": ("BaseRouter",),
+        "vllm.model_executor.layers.fused_moe.routed_experts_capturer": (
+            "RoutedExpertsCapturer",
+            "RoutedExpertsCaptureSource",
+        ),
+        "vllm.distributed.aux_output_connector.worker": ("bind_routed_experts_capturer",),
+        "vllm.v1.worker.worker_base": ("WorkerWrapperBase",),
+    }
+    for mod, names in wanted.items():
+        try:
+            m = importlib.import_module(mod)
+        except ImportError:
+            continue
+        for n in names:
+            if hasattr(m, n):
+                found[f"{mod}.{n}"] = getattr(m, n)
+    return found
+
+
+def check_supported() -> None:
+    """Raise :class:`RouteWeightsUnsupported` naming the vLLM version and the first symbol
+    that is missing or changed; return quietly on a vLLM this extension knows."""
+    version = _vllm_version()
+    base = version.split("+")[0]
+    if base not in SUPPORTED_VLLM:
+        raise RouteWeightsUnsupported(
+            f"--route-weights: vLLM {version} is not a version the routing-weight capture "
+            f"was checked against ({', '.join(SUPPORTED_VLLM)}); serve without --route-weights"
+        )
+    syms = _symbols()
+    need = {
+        "vllm.model_executor.layers.fused_moe.router.base_router.BaseRouter": (
+            "_select_experts", "_compute_routing", "_validate_eplb_state",
+            "_apply_eplb_mapping", "_convert_indices_dtype",
+        ),
+        "vllm.model_executor.layers.fused_moe.routed_experts_capturer.RoutedExpertsCapturer": (
+            "__init__", "capture", "snapshot_routing_data",
+        ),
+        "vllm.model_executor.layers.fused_moe.routed_experts_capturer."
+        "RoutedExpertsCaptureSource": (),
+        "vllm.distributed.aux_output_connector.worker.bind_routed_experts_capturer": (),
+        "vllm.v1.worker.worker_base.WorkerWrapperBase": (),
+    }  # fmt: skip
+    for name, attrs in need.items():
+        obj = syms.get(name)
+        if obj is None:
+            raise RouteWeightsUnsupported(f"--route-weights: vLLM {version} has no {name}")
+        for a in attrs:
+            if not hasattr(obj, a):
+                raise RouteWeightsUnsupported(f"--route-weights: vLLM {version} has no {name}.{a}")
+    router = syms["vllm.model_executor.layers.fused_moe.router.base_router.BaseRouter"]
+    if not getattr(router._select_experts, "_routereplay", False):
+        if _CAPTURE_CALL not in inspect.getsource(router._select_experts):
+            raise RouteWeightsUnsupported(
+                f"--route-weights: vLLM {version}'s BaseRouter._select_experts no longer calls "
+                f"{_CAPTURE_CALL!r}; the routing-weight capture does not know this vLLM"
+            )
+
+
+def install() -> None:
+    """Patch vLLM in this process (a worker: called by the general plugin). Idempotent."""
+    check_supported()
+    syms = _symbols()
+    router = syms["vllm.model_executor.layers.fused_moe.router.base_router.BaseRouter"]
+    if getattr(router._select_experts, "_routereplay", False):
+        return
+    _patch_router(router)
+    _patch_capturer(
+        syms["vllm.model_executor.layers.fused_moe.routed_experts_capturer.RoutedExpertsCapturer"]
+    )
+    import vllm.distributed.aux_output_connector.worker as worker
+
+    worker.bind_routed_experts_capturer = partial(
+        _bind_checked,
+        worker.bind_routed_experts_capturer,
+        syms["vllm.model_executor.layers.fused_moe.routed_experts_capturer."
+             "RoutedExpertsCaptureSource"],
+    )  # fmt: skip
+    wrapper = syms["vllm.v1.worker.worker_base.WorkerWrapperBase"]
+    wrapper.routereplay_route_weights_dtype = lambda self: _weights_dtype
+
+
+def _patch_router(router: type) -> None:
+    def _select_experts(
+        self: Any,
+        hidden_states: Any,
+        router_logits: Any,
+        topk_indices_dtype: Any = None,
+        *,
+        input_ids: Any = None,
+    ) -> tuple[Any, Any]:
+        # vLLM 0.32.0's steps, with the weights handed to the capture beside the logical ids.
+        self._validate_eplb_state()
+        topk_weights, topk_ids = self._compute_routing(
+            hidden_states, router_logits, topk_indices_dtype, input_ids=input_ids
+        )
+        if self.capture_fn is not None:
+            self.capture_fn(topk_ids, topk_weights)
+        topk_ids = self._apply_eplb_mapping(topk_ids)
+        topk_ids = self._convert_indices_dtype(topk_ids, topk_indices_dtype)
+        return topk_weights, topk_ids
+
+    _select_experts._routereplay = True  # type: ignore[attr-defined]
+    router._select_experts = _select_experts
+
+
+def _patch_capturer(capturer: type) -> None:
+    import torch
+
+    orig_init, orig_capture = capturer.__init__, capturer.capture
+
+    def __init__(self: Any, max_num_batched_tokens: int, vllm_config: Any) -> None:
+        orig_init(self, max_num_batched_tokens, vllm_config)
+        num_layers, top_k = self.shape_per_token
+        # Read by vLLM's worker connector to size its buffers and block store.
+        self.shape_per_token = (num_layers, 2 * top_k)
+        self.output_dtype_name = "int32"
+        self.output_dtype = torch.int32
+        self.device_buffer = torch.zeros(
+            (max_num_batched_tokens, num_layers, 2 * top_k),
+            dtype=torch.int32,
+            device=self.device_buffer.device,
+        )
+
+    def capture(self: Any, layer_id: int, topk_ids: Any, topk_weights: Any = None) -> None:
+        global _weights_dtype
+        if topk_weights is None:
+            raise RouteWeightsUnsupported(
+                f"routing-weight capture: layer {layer_id} routed without handing its weights"
+            )
+        _weights_dtype = str(topk_weights.dtype).removeprefix("torch.")
+        # One int32 row: ids, then the weights' float32 bits (exact for bf16/fp16/fp32). vLLM's
+        # capture then slices this rank's rows (data / sequence parallel) as it does for ids.
+        bits = topk_weights.to(torch.float32).view(torch.int32)
+        orig_capture(self, layer_id, torch.cat((topk_ids.to(torch.int32), bits), dim=1))
+
+    def snapshot_routing_data(self: Any, num_tokens: int) -> Any:
+        # vLLM's .to(uint8) copied; int32 -> int32 would alias the buffer the next step reuses.
+        return self.device_buffer[:num_tokens].clone()
+
+    capturer.__init__ = __init__
+    capturer.capture = capture
+    capturer.snapshot_routing_data = snapshot_routing_data
+
+
+def _bind_checked(bind: Any, source: type, model: Any, capturer: Any) -> None:
+    """vLLM's bind, refusing capture sources that hand over ids without weights."""
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+
+    for module in model.modules():
+        own = isinstance(module, source)
+        if own or (isinstance(module, MoERunner) and module._quant_method.is_monolithic):
+            raise RouteWeightsUnsupported(
+                f"--route-weights: {type(module).__name__} routes outside vLLM's FusedMoE "
+                "router (a model-specific router or a monolithic MoE kernel), which gives the "
+                "capture no weights; serve this model without --route-weights"
+            )
+    bind(model, capturer)
+
+
+def maybe_install() -> None:
+    """Install when the service asked for it (``ROUTEREPLAY_ROUTE_WEIGHTS=1``)."""
+    if os.environ.get(ENV) == "1":
+        install()
+
+
+def split_routes(routes: np.ndarray, top_k: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """A widened ``[R, L, 2K]`` int32 capture -> ids ``[R, L, K]`` (vLLM's uint8/uint16) and
+    weights ``[R, L, K]`` float32 (the engine's values, exactly)."""
+    if routes.dtype != np.int32 or routes.ndim != 3 or routes.shape[2] != 2 * top_k:
+        raise ValueError(
+            f"routes of shape {routes.shape} {routes.dtype} are not the routing-weight "
+            f"capture's [rows, layers, {2 * top_k}] int32"
+        )
+    ids = routes[:, :, :top_k].astype(np.uint8 if num_experts <= 256 else np.uint16)
+    weights = np.ascontiguousarray(routes[:, :, top_k:]).view(np.float32)
+    return ids, weights

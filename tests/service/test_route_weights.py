@@ -1,0 +1,140 @@
+"""Routing weights from the real engine (``--route-weights request``): the combine weights vLLM
+applied, beside the ids, equal to the tiny model's router recomputed by transformers (float32).
+
+Its own service (the session's one runs without the capture); one engine at a time.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from .conftest import Service, start_service
+
+pytestmark = pytest.mark.vllm
+
+PROMPT = [(7 * i + 3) % 1000 + 20 for i in range(300)]  # > 2 cache blocks of 128
+
+
+@pytest.fixture(scope="module")
+def weights_service(
+    redis_url: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Service]:
+    log_dir = tmp_path_factory.mktemp("route_weights")
+    with start_service(redis_url, tiny_model, log_dir, "--route-weights", "request") as (svc, _):
+        yield svc
+
+
+def _complete(svc: Service, rid: str, **body: object) -> dict:
+    r = httpx.post(
+        f"{svc.v1}/completions",
+        json={"model": svc.model, "prompt": PROMPT, "max_tokens": 6, "temperature": 1.0,
+              "seed": 11, "ignore_eos": True, "return_token_ids": True, **body},
+        headers={"X-Request-Id": rid}, timeout=300,
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _router_weights(model_path: Path, tokens: list[int], ids: np.ndarray) -> np.ndarray:
+    """The tiny model's router by transformers (float32): softmax over the top-k logits (its
+    norm_topk_prob), taken at the engine's ids in the engine's slots. ``ids`` ``[R, M, K]``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    assert model.config.norm_topk_prob
+    hidden: list[torch.Tensor] = []
+    hooks = [
+        layer.mlp.gate.register_forward_pre_hook(lambda _m, a: hidden.append(a[0]))
+        for layer in model.model.layers
+    ]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([tokens]))
+    finally:
+        for h in hooks:
+            h.remove()
+    logits = [
+        (h.reshape(-1, h.shape[-1]) @ layer.mlp.gate.weight.T).detach().numpy()
+        for h, layer in zip(hidden, model.model.layers, strict=True)
+    ]
+    rows = ids.shape[0]
+    out = np.zeros(ids.shape, np.float64)
+    for m, lg in enumerate(logits):
+        chosen = np.take_along_axis(lg[:rows].astype(np.float64), ids[:, m].astype(int), axis=1)
+        e = np.exp(chosen - chosen.max(axis=1, keepdims=True))
+        out[:, m] = e / e.sum(axis=1, keepdims=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def with_weights(weights_service: Service) -> dict:
+    return _complete(weights_service, "rw-on", routed_experts_weights=True)
+
+
+def _record(svc: Service, resp: dict):  # type: ignore[no-untyped-def]
+    handle = resp["choices"][0]["routed_experts"]
+    assert handle["status"] == "stored", handle
+    return handle, svc.store().get(handle["route_id"])
+
+
+def test_weights_equal_the_router(weights_service: Service, with_weights: dict) -> None:
+    handle, rec = _record(weights_service, with_weights)
+    assert handle["weights"] is True and handle["weights_dtype"] == "float32"
+    T = len(PROMPT) + 6
+    assert rec.weights is not None and rec.weights.shape == rec.experts.shape == (T, 4, 2)
+    assert rec.weights_dtype == "float32" and rec.weights.dtype == np.float32
+    routed = rec.valid.copy()
+    assert routed[:-1].all() and not routed[-1] and not rec.weights[-1].any()
+    w = rec.weights[:-1]
+    # norm_topk_prob: each token's weights in a layer sum to 1 (float32 rounding).
+    np.testing.assert_allclose(w.sum(-1), 1.0, atol=2e-7)
+    assert (w > 0).all()
+    tokens = list(rec.token_ids)
+    want = _router_weights(weights_service.model_path, tokens, rec.experts[:-1])
+    # Same slots as the ids: a swapped pair would differ by far more than kernel rounding.
+    np.testing.assert_allclose(w, want, atol=2e-5, rtol=0)
+
+
+def test_cached_prefix_rows_carry_their_weights(
+    weights_service: Service, with_weights: dict
+) -> None:
+    _, first = _record(weights_service, with_weights)
+    again = _complete(weights_service, "rw-again", routed_experts_weights=True, seed=12)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
+    _, rec = _record(weights_service, again)
+    n = len(PROMPT) - 1  # rows both requests routed the same way: the shared prompt's
+    np.testing.assert_array_equal(rec.experts[:n], first.experts[:n])
+    np.testing.assert_array_equal(rec.weights[:n], first.weights[:n])
+
+
+def test_off_keeps_the_request_path(weights_service: Service, with_weights: dict) -> None:
+    _, on = _record(weights_service, with_weights)
+    plain = _complete(weights_service, "rw-off")
+    handle, rec = _record(weights_service, plain)
+    assert handle["weights"] is False and handle["weights_dtype"] is None
+    assert rec.weights is None and rec.weights_dtype is None
+    assert plain["choices"][0]["token_ids"] == with_weights["choices"][0]["token_ids"]
+    np.testing.assert_array_equal(rec.experts, on.experts)
+    # Inline routes stay vLLM's: uint8 [T - 1, layers, top_k], no weights mixed in.
+    inline = _complete(weights_service, "rw-inline", return_routed_experts="inline")
+    arr = np.load(io.BytesIO(base64.b64decode(inline["choices"][0]["routed_experts"])))
+    assert arr.dtype == np.uint8 and arr.shape == (len(PROMPT) + 5, 4, 2)
+
+
+def test_unknown_vllm_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm
+
+    from routereplay.service._route_weights import RouteWeightsUnsupported, check_supported
+
+    check_supported()  # the installed vLLM is known
+    monkeypatch.setattr(vllm, "__version__", "9.9.9")
+    with pytest.raises(RouteWeightsUnsupported, match=r"vLLM 9\.9\.9"):
+        check_supported()
