@@ -118,3 +118,28 @@ def test_upstream_refuses_weights() -> None:
     # Never forwarded: vLLM's server would refuse an unknown field with a less useful error.
     plain = CompletionRequest.model_validate({"prompt": "x", "routed_experts_weights": False})
     assert "routed_experts_weights" not in up._body(plain)
+
+
+async def test_second_turn_fills_skipped_rows_with_weights(redis_url: str) -> None:
+    async with running_app(redis_url, backend=SyntheticBackend(MODEL)) as a:
+        prompt = list(range(40, 100))
+
+        async def turn(rid: str, **body: object) -> tuple[dict, object]:
+            r = await a.http.post(
+                "/v1/completions",
+                headers={"X-Request-Id": rid},
+                json={"model": MODEL, "prompt": prompt, "max_tokens": 3, "seed": 1, **body},
+            )
+            handle = r.json()["choices"][0]["routed_experts"]
+            return handle, await a.store.get(handle["route_id"])
+
+        # Only an ids-only record holds the prefix: the skipped rows cannot get weights.
+        await turn("ids-only")
+        handle, rec = await turn("w1", routed_experts_weights=True, routed_experts_prompt_start=32)
+        assert handle["weights"] is True and not rec.valid[:32].any()
+        assert handle["num_valid_rows"] == len(prompt) + 2 - 32 and not rec.weights[:32].any()
+        # A record with weights holds it: the skipped rows come back with theirs.
+        _, first = await turn("w2", routed_experts_weights=True)
+        handle, rec = await turn("w3", routed_experts_weights=True, routed_experts_prompt_start=32)
+        assert handle["num_valid_rows"] == len(prompt) + 2 and rec.valid[:-1].all()
+        np.testing.assert_array_equal(rec.weights[:-1], first.weights[:-1])
