@@ -34,6 +34,7 @@ from ._prefetch import Prefetcher
 from ._report import VIOLATION_KINDS, ReplayReport, SampleDecision, step_scalars
 from ._targets import ReplayTargets, TargetBuffers, filler_experts, gather_targets
 from .errors import (
+    MissingWeightsError,
     ReplayConfigError,
     ReplayPolicyError,
     RouteAlignmentError,
@@ -57,6 +58,7 @@ __all__ = [
     "NO_ROUTE",
     "VIOLATION_KINDS",
     "BatchCoverage",
+    "MissingWeightsError",
     "OnViolation",
     "PositionMap",
     "Prefetcher",

@@ -57,6 +57,7 @@ class RecordCoverage:
     invalid: int = 0
     versions: Counter[str] = field(default_factory=Counter)
     missing: int = 0  # positions mapped to this record while the store did not have it
+    no_weights: int = 0  # positions mapped to this record while it lacks the engine's weights
 
     @property
     def mapped(self) -> int:
@@ -67,6 +68,7 @@ class RecordCoverage:
         self.filled += other.filled
         self.invalid += other.invalid
         self.missing += other.missing
+        self.no_weights += other.no_weights
         self.versions.update(other.versions)
 
 
@@ -158,6 +160,8 @@ def _read_coverage(ri: int, name: str, rec: RouteRecord | None, rows: np.ndarray
     c.filled = int(filled.sum())
     c.replayed = int(valid.sum()) - c.filled
     c.invalid = int((~valid).sum())
+    if getattr(rec, "weights", None) is None:
+        c.no_weights = int(rows.size)
     vs, counts = np.unique(_row_versions(rec)[rows[valid]].astype(str), return_counts=True)
     c.versions.update(dict(zip(vs.tolist(), counts.tolist(), strict=True)))
     return c
@@ -238,6 +242,8 @@ class ReplayPolicy:
         min_coverage: least share of each record's mapped positions that replay a real route.
         max_invalid_rows: most positions of one record that get fillers (the final sampled token
             of a sample is one).
+        require_weights: every record carries the engine's routing weights
+            (``RouterReplayer(..., weights="engine")``); kind ``"missing_weights"``.
         on_violation: what :meth:`decide` does with a sample that breaks the policy: ``"raise"``
             (fail closed: :class:`ReplayPolicyError` for the batch, naming every record at
             fault), ``"drop"`` (the sample leaves the batch: :attr:`ReplayReport.kept`,
@@ -255,6 +261,7 @@ class ReplayPolicy:
     min_coverage: float = 0.0
     max_invalid_rows: int | None = None
     on_violation: OnViolation = "raise"
+    require_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.on_violation not in get_args(OnViolation):
@@ -326,6 +333,13 @@ class ReplayPolicy:
         if c.missing:
             return [("missing", f"{c.route}: no route record ({c.missing} positions)")]
         out = self._version_violations(c, now)
+        if self.require_weights and c.no_weights:
+            out.append(
+                (
+                    "missing_weights",
+                    f"{c.route}: no engine routing weights ({c.no_weights} positions)",
+                )
+            )
         if c.mapped and (c.replayed + c.filled) / c.mapped < self.min_coverage:
             out.append(
                 (

@@ -16,6 +16,11 @@ per router; 1F1B runs backwards in forward order). Everything is cleared at each
 Rows a :class:`ReplayPolicy` hands to the trainer's router (``own_routing``) ride on the target
 tensor itself, so the FIFO gives recompute the same rows as the forward; the forward's choice at
 those rows replaces the queued target, so recompute repeats it rather than choosing again.
+
+Under ``weights="engine"`` the engine's routing weights ride on the target tensor the same way;
+a forward hook on each router puts them into its output probs at the replayed rows (exact
+forward values, gradient straight through to the router's own probs), in the forward and in
+recompute alike.
 """
 
 from __future__ import annotations
@@ -57,6 +62,11 @@ def _action(rr: ReplayState) -> str | None:
 # experts the router chooses itself. On the tensor, not beside it: RouterReplay queues the very
 # tensor for recompute, so the mask cannot drift from its micro-batch.
 _OWN_ROWS = "_routereplay_own_rows"
+# Attributes of an installed target under ``weights="engine"``, for the same reason: ``[N, K]``
+# float32 engine weights in the target's slot order, and ``[N]`` bool, True at the rows whose
+# router output takes them (replayed rows of real routes; not fillers, not own-routing rows).
+_ENGINE_W = "_routereplay_engine_weights"
+_ENGINE_ROWS = "_routereplay_engine_rows"
 
 
 def _queued(rr: ReplayState, act: str | None) -> torch.Tensor | None:
@@ -74,8 +84,34 @@ def _requeue(rr: ReplayState, target: torch.Tensor, chosen: torch.Tensor) -> Non
     scores would differ in the last bit and tip a near tie."""
     for i, t in enumerate(rr.replay_backward_list):
         if t is target:
-            rr.replay_backward_list[i] = chosen.detach()
+            chosen = chosen.detach()
+            for name in (_ENGINE_W, _ENGINE_ROWS):  # the engine rows keep their ids: same rows
+                if hasattr(target, name):
+                    setattr(chosen, name, getattr(target, name))
+            rr.replay_backward_list[i] = chosen
             return
+
+
+class _EngineProbs(torch.autograd.Function):
+    """Forward: the engine's weights at ``rows`` (exact values), the router's probs elsewhere.
+    Backward: the identity into the router's probs (straight-through), so the router's gradient
+    is the one ids-only replay computes for the same upstream gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, probs: torch.Tensor, engine: torch.Tensor, rows: torch.Tensor) -> Any:
+        return torch.where(rows.unsqueeze(1), engine, probs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return grad, None, None
+
+
+def _engine_probs(probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The router's dense ``[N, E]`` probs with ``target``'s engine weights at its engine rows."""
+    w = getattr(target, _ENGINE_W)
+    idx = target.to(probs.device, torch.int64)
+    engine = torch.zeros_like(probs).scatter(1, idx, w.to(probs.device, probs.dtype))
+    return _EngineProbs.apply(probs, engine, getattr(target, _ENGINE_ROWS).to(probs.device))
 
 
 __all__ = [
@@ -253,6 +289,12 @@ class RouterReplayer:
     ``targets`` rows must be what each router sees (see :class:`PositionMap.local`). Every router's
     input row count is checked against its target in a forward pre-hook, during forward and during
     recompute; a mismatch raises :class:`TargetShapeError` instead of leaving tokens unrouted.
+
+    ``weights="engine"``: the router's output probs ``[N, E]`` take the engine's weights
+    (:attr:`ReplayTargets.weights`, cast to the probs' dtype) at the replayed rows, exactly, with
+    the gradient passed straight through to the router's own probs of the replayed experts;
+    fillers and own-routing rows keep the router's probs. ``"ids"``: the router's probs gate the
+    replayed experts.
     """
 
     def __init__(
@@ -263,7 +305,11 @@ class RouterReplayer:
         check_config: bool = True,
         shadow: bool = False,
         path: Literal["auto", "native", "legacy"] = "auto",
+        weights: Literal["ids", "engine"] = "ids",
     ) -> None:
+        if weights not in ("ids", "engine"):
+            raise ValueError(f"weights must be 'ids' or 'engine', not {weights!r}")
+        self.weights = weights
         if path not in ("auto", "native", "legacy"):
             raise ValueError(f"path must be 'auto', 'native' or 'legacy', not {path!r}")
         if path == "native" and not NATIVE:
@@ -298,6 +344,13 @@ class RouterReplayer:
             self._hooks += [
                 s.router.register_forward_hook(self._make_served(s)) for s in self.slots
             ]
+        # The target each router's top-k used in its current call (forward or recompute), for
+        # the output hook that puts the engine's weights in place (weights="engine").
+        self._in_use: dict[int, torch.Tensor | None] = {}
+        if weights == "engine":
+            self._hooks += [
+                s.router.register_forward_hook(self._make_engine_probs(s)) for s in self.slots
+            ]
         # Shadow diagnostics: in each replayed forward, also compute the experts the router
         # itself would choose, and count the (token, layer) decisions that differ. ``shadow``
         # may be switched off and on again (e.g. on some steps only).
@@ -315,6 +368,8 @@ class RouterReplayer:
         def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default=None):  # type: ignore[no-untyped-def]
             act = _action(rr)
             target = _queued(rr, act)
+            if self.weights == "engine":
+                self._in_use[slot.layer] = target
             own_rows = getattr(target, _OWN_ROWS, None)
             probs, idx = original(scores, topk, num_groups, group_topk, default)
             shadow = self.shadow and act == "replay_forward"
@@ -422,6 +477,19 @@ class RouterReplayer:
 
         return hook
 
+    def _make_engine_probs(self, slot: RouterSlot):
+        """weights="engine": the router's output probs take the engine's weights at the
+        replayed rows of the target its top-k just used (forward, or recompute's FIFO entry)."""
+
+        def hook(module: torch.nn.Module, args: tuple, output: Any) -> Any:
+            target = self._in_use.pop(slot.layer, None)
+            if target is None or not hasattr(target, _ENGINE_W):
+                return None
+            probs, routing_map = output[0], output[1]
+            return (_engine_probs(probs, target), routing_map, *output[2:])
+
+        return hook
+
     @staticmethod
     def _make_served(slot: RouterSlot):
         """Legacy path: after a replayed forward (or recompute), the router's top-k must have
@@ -474,13 +542,20 @@ class RouterReplayer:
                     f"targets are for {targets.num_experts} experts, the model has "
                     f"{self.slots[0].num_experts}"
                 )
-            stacked = targets.select(want).to_torch(dev, self.dtype)
-            per = list(stacked.unbind(0))
+            sel = targets.select(want)
+            per = list(sel.to_torch(dev, self.dtype).unbind(0))
             if targets.replay_mask is not None:
                 own = torch.from_numpy(~targets.replay_mask).to(dev)
                 for t in per:
                     setattr(t, _OWN_ROWS, own)
+            if self.weights == "engine":
+                self._attach_weights(sel, per)
             return per
+        if self.weights == "engine":
+            raise ReplayConfigError(
+                "weights='engine' replays ReplayTargets carrying the engine's weights "
+                "(gather_targets(..., weights=True)), not raw id tensors"
+            )
         if isinstance(targets, Mapping):
             missing = sorted(set(want) - set(targets))
             if missing:
@@ -503,6 +578,22 @@ class RouterReplayer:
             )
         t = targets.to(dev, self.dtype)
         return [t[idx[x]] for x in want]
+
+    def _attach_weights(self, targets: ReplayTargets, per: list[torch.Tensor]) -> None:
+        if targets.weights is None:
+            raise ReplayConfigError(
+                "weights='engine' but the targets carry no engine weights: gather them with "
+                "gather_targets(..., weights=True)"
+            )
+        rows = torch.ones(targets.num_tokens, dtype=torch.bool)
+        if targets.valid is not None:
+            rows &= torch.from_numpy(targets.valid)
+        if targets.replay_mask is not None:
+            rows &= torch.from_numpy(targets.replay_mask)
+        rows = rows.to(self.device)
+        for t, w in zip(per, targets.weights_torch(self.device).unbind(0), strict=True):
+            setattr(t, _ENGINE_W, w)
+            setattr(t, _ENGINE_ROWS, rows)
 
     def set_targets(
         self,
@@ -591,6 +682,7 @@ class RouterReplayer:
             s.replay.clear_indices()
             s.replay.clear_router_replay_action()
         self._shadow_valid.clear()
+        self._in_use.clear()
 
     @contextmanager
     def step(self) -> Iterator[None]:

@@ -26,6 +26,7 @@ VIOLATION_KINDS = (
     "unknown_version",
     "coverage",
     "invalid_rows",
+    "missing_weights",
 )
 """Why a sample breaks a :class:`ReplayPolicy` (:attr:`SampleDecision.kinds`)."""
 

@@ -21,8 +21,14 @@ import numpy as np
 
 from routereplay.client import RouteRecord, default_decode_threads, expert_dtype
 
+from ._coverage import _route_name
 from ._position_map import PositionMap
-from .errors import ReplayConfigError, RouteLayerMismatchError, TargetShapeError
+from .errors import (
+    MissingWeightsError,
+    ReplayConfigError,
+    RouteLayerMismatchError,
+    TargetShapeError,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -66,6 +72,9 @@ class ReplayTargets:
         replay_mask: ``[N]`` bool in the same order, False at the rows whose experts the
             trainer's router chooses (``gather_targets(..., own_routing=...)``); None when every
             row replays. :class:`RouterReplayer` installs it with the targets.
+        weights: ``[M, N, K]`` float32, the engine's routing (combine) weights, slot ``k``
+            belonging to expert ``experts[..., k]``; 0 at filler rows
+            (``gather_targets(..., weights=True)``); None when not gathered.
     """
 
     layers: tuple[int, ...]
@@ -75,6 +84,7 @@ class ReplayTargets:
     valid: np.ndarray | None = None
     pinned: torch.Tensor | None = field(default=None, repr=False, compare=False)
     replay_mask: np.ndarray | None = None
+    weights: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.experts.ndim != 3 or self.experts.shape[0] != len(self.layers):
@@ -86,6 +96,11 @@ class ReplayTargets:
         if m is not None and (m.dtype != np.bool_ or m.shape != (self.experts.shape[1],)):
             raise TargetShapeError(
                 f"replay_mask must be [N={self.experts.shape[1]}] bool, got {m.shape} {m.dtype}"
+            )
+        w = self.weights
+        if w is not None and (w.shape != self.experts.shape or w.dtype != np.float32):
+            raise TargetShapeError(
+                f"weights must be {list(self.experts.shape)} float32, got {list(w.shape)} {w.dtype}"
             )
         if p is not None and (
             tuple(p.shape) != self.experts.shape
@@ -128,6 +143,7 @@ class ReplayTargets:
             self.filler_rows,
             self.valid,
             replay_mask=self.replay_mask,
+            weights=None if self.weights is None else self.weights[idx],
         )
 
     @property
@@ -152,6 +168,14 @@ class ReplayTargets:
             src = self.pinned if self.pinned is not None else t.pin_memory()
             t = src.to(device, non_blocking=True)
         return t.to(torch.int64 if dtype is None else dtype)
+
+    def weights_torch(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """``[M, N, K]`` float32 engine weights on ``device`` (:attr:`weights` must be set)."""
+        import torch
+
+        if self.weights is None:
+            raise ReplayConfigError("these targets carry no engine weights")
+        return torch.from_numpy(self.weights).to(device)
 
 
 # Outputs of at least this many bytes are copied by several threads: numpy's copies release the
@@ -298,6 +322,7 @@ def gather_targets(
     pin_memory: bool = False,
     buffers: TargetBuffers | None = None,
     own_routing: Collection[int] = (),
+    weights: bool = False,
 ) -> ReplayTargets:
     """Copy each mapped position's expert rows out of ``records`` for the MoE ``layers``.
 
@@ -324,6 +349,9 @@ def gather_targets(
         own_routing: samples (:attr:`PositionMap.sample`) whose experts the trainer's router
             chooses, :attr:`ReplayReport.own_routing`: their rows are False in
             :attr:`ReplayTargets.replay_mask`.
+        weights: also copy the records' engine routing weights (:attr:`ReplayTargets.weights`,
+            the same rows as the ids; 0 at fillers). A used record without them raises
+            :class:`MissingWeightsError` naming its route.
 
     Returns:
         :class:`ReplayTargets` with ``[M, B*S, K]`` rows in sequence-major order (``s * B + b``),
@@ -420,6 +448,11 @@ def gather_targets(
         )[None]
     valid = ~none
     replay = _replay_mask(pmap, own_routing)
+    w_out = None
+    if weights:
+        # Own-routing rows keep the router's probabilities: their records need no weights.
+        rows = valid if replay is None else valid & replay
+        w_out = _gather_weights(pmap, records, used, layers, top_k, rows)
     if B > 1:  # [M, B, S, K] -> [M, S, B, K]: Megatron's router flattens [S, B] sequence-major
         by_seq = out.reshape(M, B, S, top_k).transpose(0, 2, 1, 3)
         pinned = _empty(M * N * top_k, dt, pin_memory)
@@ -430,9 +463,48 @@ def gather_targets(
         valid = np.ascontiguousarray(valid.reshape(B, S).T).reshape(N)
         if replay is not None:
             replay = np.ascontiguousarray(replay.reshape(B, S).T).reshape(N)
+        if w_out is not None:
+            w_out = np.ascontiguousarray(w_out.reshape(M, B, S, top_k).transpose(0, 2, 1, 3))
+            w_out = w_out.reshape(M, N, top_k)
     if pinned is not None:
         pinned = pinned.view(M, N, top_k)
-    return ReplayTargets(layers, out, num_experts, int(fill_idx.size), valid, pinned, replay)
+    return ReplayTargets(
+        layers, out, num_experts, int(fill_idx.size), valid, pinned, replay, weights=w_out
+    )
+
+
+def _gather_weights(
+    pmap: PositionMap,
+    records: Sequence[RouteRecord | None],
+    used: np.ndarray,
+    layers: tuple[int, ...],
+    top_k: int,
+    valid: np.ndarray,
+) -> np.ndarray:
+    """``[M, B*S, K]`` float32 batch-major engine weights of the mapped positions; 0 where
+    ``valid`` (batch-major: real routes that replay) is False. Raises
+    :class:`MissingWeightsError` for a record without them that ``valid`` rows read."""
+    rec = pmap.record.reshape(-1)
+    tok = pmap.token.reshape(-1)
+    out = np.zeros((len(layers), rec.size, top_k), np.float32)
+    for ri in used.tolist():
+        r = records[ri]
+        w = getattr(r, "weights", None)
+        name = _route_name(ri, r, None)
+        pos = np.flatnonzero((rec == ri) & valid)
+        if not pos.size:
+            continue
+        if w is None:
+            raise MissingWeightsError(name, ri)
+        want = (r.num_tokens, len(r.moe_layers), r.top_k)
+        if w.shape != want:
+            raise TargetShapeError(
+                f"route {name}: weights have shape {list(w.shape)}, its experts {list(want)}"
+            )
+        cols = [r.moe_layers.index(x) for x in layers]
+        # [P, M, K] rows of the record -> [M, P, K]; fancy indexing copies, casting to float32
+        out[:, pos] = w[tok[pos]][:, cols].transpose(1, 0, 2)
+    return out
 
 
 def _replay_mask(pmap: PositionMap, own_routing: Collection[int]) -> np.ndarray | None:

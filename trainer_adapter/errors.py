@@ -7,6 +7,7 @@ from __future__ import annotations
 from routereplay.client import RouteError, RouteShapeError
 
 __all__ = [
+    "MissingWeightsError",
     "ReplayConfigError",
     "ReplayPolicyError",
     "RouteAlignmentError",
@@ -47,6 +48,21 @@ class TargetShapeError(RouteShapeError):
 
     Megatron's RouterReplay checks none of this: too few rows silently leave tokens unrouted.
     """
+
+
+class MissingWeightsError(RouteShapeError):
+    """A route record without the engine's routing weights where ``weights="engine"`` replay
+    needs them. ``kind`` is the per-sample policy's name for it."""
+
+    kind = "missing_weights"
+
+    def __init__(self, route: str, record: int) -> None:
+        self.route = route
+        self.record = record
+        super().__init__(
+            f"route {route} (record {record}) has no engine routing weights, which "
+            "weights='engine' replay needs; store them with the routes, or replay ids only"
+        )
 
 
 class ReplayConfigError(RouteError, ValueError):

@@ -276,6 +276,36 @@ def make_records(seed: int, policy: bool = False):
     return recs
 
 
+def with_engine_weights(recs, seed: int) -> list:
+    """``--weights engine``: each record carries engine routing weights (bfloat16 values, 0 at
+    invalid rows), as an engine stores them next to the ids."""
+    rng = np.random.default_rng(seed + 7)
+    for r in recs:
+        if r is None:
+            continue
+        w = rng.random(r.experts.shape).astype(np.float32) + 0.05
+        w = (w / w.sum(-1, keepdims=True)).astype(np.float32)
+        w = (w.view(np.uint32) & 0xFFFF0000).view(np.float32)  # bfloat16-exact
+        w[~r.valid] = 0
+        r.weights, r.weights_dtype = w, "bfloat16"
+    return recs
+
+
+def truth_weights(pm, recs) -> tuple[np.ndarray, np.ndarray]:
+    """``[M, B*S, K]`` engine weights and ``[B*S]`` valid rows in batch-major position order,
+    by plain per-position lookup (as :func:`truth_experts`)."""
+    rec = pm.record.reshape(-1)
+    tok = pm.token.reshape(-1)
+    out = np.zeros((len(MOE_LAYERS), rec.size, K), np.float32)
+    valid = np.zeros(rec.size, bool)
+    for p in range(rec.size):
+        r = int(rec[p])
+        if r >= 0 and recs[r] is not None and recs[r].valid[tok[p]]:
+            out[:, p] = recs[r].weights[tok[p]]
+            valid[p] = True
+    return out, valid
+
+
 def sample_maps(recs, missing_tokens=None):
     """The samples and the trainer's token ids. ``missing_tokens``: a fifth sample, record
     MISSING's, whose record the store does not have (``recs[MISSING] is None``)."""
@@ -554,6 +584,10 @@ def main(argv=None) -> int:
         help="make every torch.cuda call from routereplay's code raise (device-agnostic proof)",
     )  # fmt: skip
     p.add_argument(
+        "--weights", default="ids", choices=["ids", "engine"],
+        help="RouterReplayer(weights=...): engine also replays the records' routing weights",
+    )  # fmt: skip
+    p.add_argument(
         "--policy", default="none", choices=["none", "own_routing", "drop"],
         help="a stale and a missing record, and ReplayPolicy(on_violation=...) per sample",
     )  # fmt: skip
@@ -631,7 +665,7 @@ def main(argv=None) -> int:
     for c in chunks:
         c.train()
     model = chunks[0]
-    replayer = RouterReplayer(chunks, path=args.replay_path)
+    replayer = RouterReplayer(chunks, path=args.replay_path, weights=args.weights)
     result["replay_path"] = "legacy" if replayer.legacy else "native"
     result["router_layer_numbers"] = [s.layer_number for s in replayer.slots]
     result["router_chunks"] = [s.chunk for s in replayer.slots]
@@ -645,9 +679,20 @@ def main(argv=None) -> int:
         recs = adopted
     else:  # each data-parallel replica its own data
         recs = make_records(args.seed + 1000 * dp_rank, policy=policy)
+    engine = args.weights == "engine"
+    if engine:
+        recs = with_engine_weights(recs, args.seed + 1000 * dp_rank)
     missing_tokens = recs[MISSING].token_ids if policy else None  # the trainer has its tokens
+    sent = recs
     recs, source = fetch_records(args, recs, dp_rank, missing=MISSING if policy else None)
     result["records_from"] = source
+    if engine:  # a store that does not keep the weights plane yet: the check is the replay's
+        result["weights_from"] = "store"
+        if any(r is not None and getattr(r, "weights", None) is None for r in recs):
+            result["weights_from"] = "attached"
+            for r, o in zip(recs, sent, strict=True):
+                if r is not None:
+                    r.weights, r.weights_dtype = o.weights, o.weights_dtype
 
     # ---- per micro-batch: align, slice, truth --------------------------------------------------
     cp_rank = ps.get_context_parallel_rank()
@@ -674,18 +719,26 @@ def main(argv=None) -> int:
         )
         own_routing = report.own_routing if report is not None else ()
         targets = gather_targets(
-            local, recs, replayer.layers, pin_memory=args.pin_memory, own_routing=own_routing
-        )
+            local, recs, replayer.layers, pin_memory=args.pin_memory, own_routing=own_routing,
+            weights=engine,
+        )  # fmt: skip
         assert (targets.pinned is not None) == args.pin_memory
         B, S = pm.shape
         rows = megatron_rows(args, B, S, cup)
         truth = truth_experts(pm, recs)[:, rows]  # [M_all, N_local, K]
+        w_truth, w_valid = truth_weights(pm, recs) if engine else (None, None)
+        if engine:
+            w_truth, w_valid = w_truth[:, rows], w_valid[rows]
         # Router rows whose experts the router chooses, from the report's unsliced mask placed
         # by Megatron's own sharding (independent of gather_targets' slicing).
         own = np.zeros(rows.size, bool)
         if report is not None:
             own = ~report.replay_mask.reshape(-1)[rows]
         got_mask = np.ones(rows.size, bool) if targets.replay_mask is None else targets.replay_mask
+        if engine:  # own rows keep the router's probabilities: gathered as 0, like fillers
+            result.setdefault("weights_equal_truth", []).append(
+                bool(np.array_equal(targets.weights, np.where(own[:, None], 0, w_truth[mine])))
+            )
         result.setdefault("replay_mask_equal", []).append(bool(np.array_equal(got_mask, ~own)))
         # the model's inputs, sharded for CP as Megatron shards them (rows of the [B, S] batch)
         cp_idx = np.arange(S)
@@ -705,6 +758,8 @@ def main(argv=None) -> int:
             dict(
                 targets=targets,
                 truth=truth,
+                w_truth=w_truth,
+                w_valid=w_valid,
                 ids=t(ids),
                 seq=t(seq),
                 pos=t(pos),
@@ -774,6 +829,13 @@ def main(argv=None) -> int:
                 st["bad"] += max(got.shape[0], want.shape[0])
                 return
             st["bad"] += int((got != want).any(1).sum())
+            if engine:  # the gates at the replayed rows are the engine's, bit for bit
+                li = MOE_LAYERS.index(slot.layer)
+                rows = torch.from_numpy(mbs[mb]["w_valid"]) & ~own
+                w = torch.from_numpy(mbs[mb]["w_truth"][li])
+                g = gates.gather(1, torch.from_numpy(exp))
+                st["w_rows"] = st.get("w_rows", 0) + int(rows.sum())
+                st["w_bad"] = st.get("w_bad", 0) + int((g[rows] != w[rows]).any(1).sum())
             if phase == "fwd":
                 fwd_maps[(slot.layer_number, mb)] = got
                 fwd_gates[(slot.layer_number, mb)] = gates
@@ -890,6 +952,9 @@ def main(argv=None) -> int:
         and result.get("own_vs_free_forward", {}).get("gate_max_abs_diff", 0.0) <= GATE_TOL
         and not any(result.get("repacked_decisions", []))
         and result.get("policy", {}).get("ok", True)
+        and all(result.get("weights_equal_truth", [True]))
+        and all(st.get("w_bad", 0) == 0 for st in stats.values())
+        and (not engine or all(st.get("w_rows", 0) > 0 for st in stats.values()))
     )
 
     if args.extras and args.pp == 1:

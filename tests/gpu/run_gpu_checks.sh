@@ -46,6 +46,18 @@ run gpu2_policy_drop_cp2_thd     2 --cp 2 --policy drop
 run gpu2_policy_drop_tp2_sp_pad  2 --tp 2 --sp --policy drop --layout padded --recompute selective
 [ "$DEV" = cuda ] && run gpu2_policy_own_ep2_alltoall 2 --ep 2 --dispatcher alltoall \
   --policy own_routing --layout padded --recompute selective --perturb-router
+# Engine routing weights (--weights engine): every replayed row's gates are the records' weights
+# bit for bit, in the forward and the recompute; own rows keep the router's. ONLY=weights runs these.
+run gpu1_weights_thd_full        1 --weights engine --recompute full
+run gpu1_weights_legacy_left     1 --weights engine --replay-path legacy --layout padded-left \
+  --recompute selective
+run gpu2_weights_tp2_sp_thd      2 --tp 2 --sp --weights engine --recompute full
+run gpu2_weights_own_tp2_sp_pad  2 --tp 2 --sp --weights engine --policy own_routing \
+  --layout padded --recompute selective --perturb-router
+run gpu2_weights_cp2_thd         2 --cp 2 --weights engine
+run gpu2_weights_pp2_1f1b        2 --pp 2 --micro-batches 4 --weights engine --recompute selective
+[ "$DEV" = cuda ] && run gpu2_weights_ep2_alltoall 2 --ep 2 --dispatcher alltoall --weights engine \
+  --layout padded --recompute selective
 [ "$DEV" = cuda ] || { echo "CPU rehearsal: alltoall and pinned targets need CUDA, skipped"; finish; }
 # Targets gathered into page-locked memory (gather_targets(pin_memory=True)), installed from it.
 run gpu1_thd_pinned_sel      1 --recompute selective --pin-memory

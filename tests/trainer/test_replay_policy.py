@@ -9,6 +9,7 @@ import pytest
 from routereplay.client import RouteRecord
 from routereplay.trainer_adapter import (
     VIOLATION_KINDS,
+    MissingWeightsError,
     ReplayPolicy,
     ReplayPolicyError,
     RouteAlignmentError,
@@ -184,7 +185,7 @@ def test_scalars_for_a_logger() -> None:
         "replay/own_routing_samples": 3.0,
         "replay/own_routing_rows": 29.0,
     }
-    assert [s[f"replay/violations/{k}"] for k in VIOLATION_KINDS] == [1, 0, 1, 0, 1, 0]
+    assert [s[f"replay/violations/{k}"] for k in VIOLATION_KINDS] == [1, 0, 1, 0, 1, 0, 0]
     assert s["replay/rows_missing"] == 9 and s["replay/rows_invalid"] == 1 + 1 + 1 + 6
     assert s["replay/rows_version/step-3"] == 7
     d = drop.scalars()
@@ -200,3 +201,27 @@ def test_scalars_for_a_logger() -> None:
 def test_on_violation_is_checked() -> None:
     with pytest.raises(ValueError, match="on_violation must be one of"):
         ReplayPolicy(on_violation="skip")  # type: ignore[arg-type]
+
+
+def test_require_weights_own_routing_needs_no_weights_at_own_rows() -> None:
+    """ReplayPolicy(require_weights=True): a record without the engine's weights breaks it
+    ("missing_weights"); under own_routing its sample's rows keep the router's probabilities, so
+    gather_targets(weights=True) needs no weights there."""
+    recs = [batch()[0][i] for i in (0, 3)]
+    samples = [sample_from_record(i, r) for i, r in enumerate(recs)]
+    w = np.ones(recs[0].experts.shape, np.float32) / K
+    w[~recs[0].valid] = 0
+    recs[0].weights, recs[0].weights_dtype = w, "float32"  # recs[1] ("d-0") has none
+    pm = padded_position_map(samples, 12, records=recs)
+    with pytest.raises(ReplayPolicyError, match=r"d-0: no engine routing weights \(7 positions\)"):
+        ReplayPolicy(require_weights=True).decide(pm, recs, LAYERS)
+    assert ReplayPolicy().decide(pm, recs, LAYERS).decisions == ()  # not required: not judged
+    r = ReplayPolicy(require_weights=True, on_violation="own_routing").decide(pm, recs, LAYERS)
+    assert [(d.sample, d.kinds) for d in r.decisions] == [(1, ("missing_weights",))]
+    assert r.scalars()["replay/violations/missing_weights"] == 1
+    with pytest.raises(MissingWeightsError, match="route d-0"):
+        gather_targets(pm, recs, LAYERS, weights=True)
+    tg = gather_targets(pm, recs, LAYERS, weights=True, own_routing=r.own_routing)
+    own = ~tg.replay_mask
+    assert own.sum() == 7 and (tg.weights[:, own] == 0).all()  # d-0's tokens, not its padding
+    assert (tg.weights[:, tg.valid & ~own] == 1 / K).all()

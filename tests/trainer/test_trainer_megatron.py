@@ -194,3 +194,39 @@ def test_check_replay_config_refuses_bypasses():
     ]:
         with pytest.raises(ReplayConfigError, match=match):
             check_replay_config(TransformerConfig(**{**base, **extra}))
+
+
+def assert_engine_weights(results: list[dict]) -> None:
+    """Every replayed router row's gates were the engine's weights, bit for bit, in the forward
+    and the recompute; the gathered weights equal a per-position lookup."""
+    for r in results:
+        assert r["weights_equal_truth"] == [True] * r["args"]["micro_batches"], r
+        for layer, st in r["router_rows"].items():
+            assert st["w_bad"] == 0 and st["w_rows"] > 0, (layer, st)
+
+
+def test_engine_weights_tp2_sequence_parallel_full_recompute(redis_url):
+    res = run_check(
+        2, "--tp", "2", "--sp", "--weights", "engine", "--recompute", "full", redis_url=redis_url
+    )
+    assert_exact(res)
+    assert_engine_weights(res)
+
+
+def test_engine_weights_cp2_padded(redis_url):
+    res = run_check(
+        2, "--cp", "2", "--layout", "padded", "--weights", "engine", redis_url=redis_url
+    )
+    assert_exact(res)
+    assert_engine_weights(res)
+
+
+def test_engine_weights_own_routing_left_padded_selective_recompute(redis_url):
+    """The router's own rows keep its probabilities; the others take the engine's weights."""
+    res = run_check(
+        1, "--policy", "own_routing", "--layout", "padded-left", "--recompute", "selective",
+        "--weights", "engine", redis_url=redis_url,
+    )  # fmt: skip
+    assert_exact(res)
+    assert_engine_weights(res)
+    assert_policy(res, "own_routing")
