@@ -29,7 +29,7 @@ E, K, H, S, B = 8, 2, 32, 6, 2
 N = S * B
 
 
-def build(score: dict, recompute: str, legacy: bool):
+def build(score: dict, recompute: str, legacy: bool, dtype: torch.dtype = torch.float32):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.spec_utils import build_module
@@ -45,7 +45,7 @@ def build(score: dict, recompute: str, legacy: bool):
         moe_ffn_hidden_size=32, num_moe_experts=E, moe_router_topk=K,
         moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
         moe_grouped_gemm=False, use_cpu_initialization=True, add_bias_linear=False,
-        hidden_dropout=0.0, **kw,
+        hidden_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16, **kw,
     )  # fmt: skip
     torch.manual_seed(0)
     moe = build_module(
@@ -54,7 +54,7 @@ def build(score: dict, recompute: str, legacy: bool):
         layer_number=1,
     )
     moe.router.layer_number = 1
-    return moe
+    return moe.to(dtype)
 
 
 def targets(rng: np.random.Generator):
@@ -168,6 +168,26 @@ def check(score: dict, legacy: bool) -> dict:
     return out
 
 
+def bf16_check(legacy: bool) -> dict:
+    """A bfloat16 layer: the router's probs are bfloat16 and hold the engine's values exactly."""
+    from routereplay.trainer_adapter import ReplayTargets
+
+    moe = build(dict(moe_router_pre_softmax=False), "none", legacy, torch.bfloat16)
+    ids, valid, replay, w = targets(np.random.default_rng(1))
+    t = ReplayTargets((0,), ids[None], E, 2, valid, replay_mask=replay, weights=w[None])
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(2)).bfloat16()
+    _, calls, grads, _ = run(moe, t, x, torch.ones_like(x), weights="engine", recompute="none",
+                             legacy=legacy)  # fmt: skip
+    p, _ = calls[0]
+    rows = torch.from_numpy(valid & replay)
+    got = p.gather(1, torch.from_numpy(ids).long())[rows]
+    return {
+        "probs_dtype": str(p.dtype),
+        "engine_rows_exact": torch.equal(got, torch.from_numpy(w)[rows].bfloat16()),
+        "router_grad_finite": bool(grads["router.weight"].float().isfinite().all()),
+    }
+
+
 def main() -> int:
     import megatron.core
 
@@ -182,6 +202,7 @@ def main() -> int:
         "sigmoid": dict(moe_router_score_function="sigmoid"),
     }
     cases = {name: check(s, legacy) for name, s in scores.items()}
+    bf16 = bf16_check(legacy)
     ok = all(
         c["refused"] == ["no_weights", "raw_ids"]
         and c["same_routing_map"] and c["engine_rows_exact"] and c["other_rows_own_probs"]
@@ -189,9 +210,10 @@ def main() -> int:
         and all(r["router_calls"] == 2 and r["probs_equal"] and r["output_equal"]
                 and r["grads_equal"] for r in c["recompute"].values())
         for c in cases.values()
-    )  # fmt: skip
+    ) and bf16 == {"probs_dtype": "torch.bfloat16", "engine_rows_exact": True,
+                   "router_grad_finite": True}  # fmt: skip
     print("RESULT " + json.dumps({"megatron": megatron.core.__version__, "legacy": legacy,
-                                  "ok": ok, "cases": cases}))  # fmt: skip
+                                  "ok": ok, "cases": cases, "bf16": bf16}))  # fmt: skip
     return 0 if ok else 1
 
 

@@ -116,6 +116,7 @@ def _run_check(env: dict[str, str] | None = None, *args: str) -> dict:
         assert c["router_grad_max_diff"] == 0.0
         assert set(c["recompute"]) == {"full", "selective"}
         assert c["refused"] == ["no_weights", "raw_ids"]
+    assert r["bf16"]["probs_dtype"] == "torch.bfloat16" and r["bf16"]["engine_rows_exact"]
     return r
 
 

@@ -230,3 +230,22 @@ def test_engine_weights_own_routing_left_padded_selective_recompute(redis_url):
     assert_exact(res)
     assert_engine_weights(res)
     assert_policy(res, "own_routing")
+
+
+def test_engine_weights_pp2_1f1b_selective_recompute(redis_url):
+    res = run_check(
+        2, "--pp", "2", "--micro-batches", "4", "--weights", "engine", "--recompute", "selective",
+        redis_url=redis_url,
+    )  # fmt: skip
+    assert_exact(res)
+    assert_engine_weights(res)
+
+
+def test_engine_weights_forced_legacy_left_padded_selective_recompute(redis_url):
+    res = run_check(
+        1, "--weights", "engine", "--replay-path", "legacy", "--layout", "padded-left",
+        "--recompute", "selective", redis_url=redis_url,
+    )  # fmt: skip
+    assert res[0]["replay_path"] == "legacy"
+    assert_exact(res)
+    assert_engine_weights(res)
