@@ -46,11 +46,12 @@ __all__ = ["VllmBackend", "on_cpu_host"]
 log = logging.getLogger("routereplay.service")
 
 # Stopping: seconds vLLM's engine core waits for its worker to exit by itself before it sends
-# SIGTERM (vLLM's 5 s is short for a worker tearing down on a busy host), and seconds the engine
-# core gets in all before vLLM kills it (that wait, vLLM's 4 s after SIGTERM, margin). Within
-# compose's stop_grace_period (45 s) after uvicorn's 10 s drain.
-WORKER_SHUTDOWN_GRACE_S = 10
-ENGINE_SHUTDOWN_TIMEOUT_S = 20.0
+# SIGTERM (vLLM's 5 s, and 10 s, were short for a worker tearing down on a loaded 2-core host),
+# and seconds the engine core gets in all before vLLM kills it (that wait, vLLM's 4 s after
+# SIGTERM, margin). Both are upper bounds: a stop takes what the teardown takes. Within
+# compose's stop_grace_period (70 s) after uvicorn's 10 s drain.
+WORKER_SHUTDOWN_GRACE_S = 30
+ENGINE_SHUTDOWN_TIMEOUT_S = 45.0
 
 # OpenAI sampling fields that map 1:1 onto vllm.SamplingParams.
 _PASS_THROUGH = (
