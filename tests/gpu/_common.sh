@@ -23,7 +23,8 @@ stage_package() {
     return 0
   fi
   cp client/_errors.py client/_record.py client/_codec.py client/_threads.py client/_frame.py \
-    client/_body.py client/_transforms.py client/_zstd.py /tmp/rr/routereplay/client/
+    client/_body.py client/_transforms.py client/_zstd.py client/_weights.py \
+    /tmp/rr/routereplay/client/
   cat > /tmp/rr/routereplay/client/__init__.py <<'PY'
 """routereplay.client (the GPU subset: records and their codec)."""
 from ._codec import decode_record, encode_record  # noqa: F401
