@@ -680,7 +680,7 @@ def main(argv=None) -> int:
     else:  # each data-parallel replica its own data
         recs = make_records(args.seed + 1000 * dp_rank, policy=policy)
     engine = args.weights == "engine"
-    if engine:
+    if engine and adopted is None:  # a real engine's records bring the weights it applied
         recs = with_engine_weights(recs, args.seed + 1000 * dp_rank)
     missing_tokens = recs[MISSING].token_ids if policy else None  # the trainer has its tokens
     sent = recs

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -138,3 +139,32 @@ def test_unknown_vllm_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(vllm, "__version__", "9.9.9")
     with pytest.raises(RouteWeightsUnsupported, match=r"vLLM 9\.9\.9"):
         check_supported()
+
+
+def test_engine_weights_replay_in_megatron(weights_service: Service) -> None:
+    """The whole loop with weights: completions that asked for them, stored by the service,
+    fetched from Redis and replayed by a Megatron-Core model under ``weights="engine"``: every
+    replayed router row's gates are the engine's weights bit for bit, forward and recompute."""
+    pytest.importorskip("megatron.core")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    from harness import run_check
+
+    def ids(prompt: object, rid: str, **kw: object) -> list[str]:
+        resp = _complete(weights_service, rid, prompt=prompt, routed_experts_weights=True, **kw)
+        handles = [c["routed_experts"] for c in resp["choices"]]
+        assert all(h["status"] == "stored" and h["weights"] for h in handles), handles
+        return [h["route_id"] for h in handles]
+
+    route_ids = ids("first plain sample", "e2e-w-a") + ids("second one", "e2e-w-b", seed=12)
+    route_ids += ids("a GRPO group prompt", "e2e-w-g", n=2, seed=13)
+    turn1 = ids("turn one of a chat", "e2e-w-t1", seed=14)
+    t1 = weights_service.store().get(turn1[0])
+    route_ids += turn1 + ids([*t1.token_ids.tolist(), 7, 8, 9], "e2e-w-t2", seed=15)
+    args = ("--recompute", "full", "--weights", "engine", "--route-ids", ",".join(route_ids))
+    (r,) = run_check(1, *args, redis_url=weights_service.redis_url)
+    assert r["ok"], r
+    assert r["records_from"] == "engine" and r["weights_from"] == "store"
+    assert r["weights_equal_truth"] == [True] * r["args"]["micro_batches"]
+    for layer, st in r["router_rows"].items():
+        assert st["fwd"] > 0 and st["bad"] == 0 and st["rec"] == st["fwd"], (layer, st)
+        assert st["w_rows"] > 0 and st["w_bad"] == 0, (layer, st)
