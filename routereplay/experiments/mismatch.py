@@ -7,7 +7,8 @@
 2. The trainer: the same weights in Megatron-Core (``bridge``), the rollouts packed in one row
    (THD sequences, the group as one prompt + its completions, the trajectory as its last turn;
    ``packing``), the sampled tokens' logprobs computed with replay ON (the engine's experts) and
-   OFF (the trainer's own routing).
+   OFF (the trainer's own routing), and with the engine's ids AND routing weights replayed
+   (``RouterReplayer(weights="engine")``; the service captures them, ``--route-weights``).
 3. Reported per dtype: route agreement (share of (token, MoE layer) decisions equal to vLLM's:
    checked on the routers' routing maps with replay on, recorded with replay off), mean and max
    |logprob difference| to the engine's, and the k3 estimate of KL(engine || trainer). With
@@ -44,6 +45,12 @@ PROMPTS = [
     "Reward the sample that keeps the cache warm",
 ]
 FOLLOW_UPS = [" And then the gradient of the reward", " Finally the value of the policy"]
+LABELS = {
+    "replay_ids_weights": "replay ids + weights",
+    "replay_on": "replay on (ids)",
+    "replay_off": "replay off",
+    "replay_on_router_fp32": "replay on router fp32",
+}
 
 
 # -- 1. rollouts ---------------------------------------------------------------------------------
@@ -68,6 +75,9 @@ def _service(model: Path, dtype: str, workdir: Path) -> Iterator[str]:
         dtype,
         "--log-level",
         "warning",
+        # The engine's routing weights are captured beside the ids (requests ask for them).
+        "--route-weights",
+        "request",
     ]
     url = f"http://127.0.0.1:{port}"
     with server_process(argv, f"{url}/ready", workdir / f"serve-{dtype}.log", engine_env(), 300):
@@ -87,6 +97,7 @@ def collect_rollouts(model: Path, dtype: str, args: argparse.Namespace) -> dict[
         "logprobs": 0,
         "ignore_eos": True,
         "return_token_ids": True,
+        "routed_experts_weights": True,
     }
     items: list[dict[str, Any]] = []  # one per choice: kind, route id, engine logprobs
     with (
@@ -183,21 +194,24 @@ def run_trainer(
         "tokens_packed": int(ids.size),
         "sampled_tokens": len(pack.targets),
     }
-    variants = [("replay_on", True, None), ("replay_off", False, None)]
+    # (name, replay, router dtype, routing weights replayed: "ids" or the engine's)
+    variants = [("replay_on", True, None, "ids"), ("replay_off", False, None, "ids")]
+    if all(r.weights is not None for r in records):
+        variants.insert(0, ("replay_ids_weights", True, None, "engine"))
     if router_fp32:
-        variants.append(("replay_on_router_fp32", True, "fp32"))
+        variants.append(("replay_on_router_fp32", True, "fp32", "ids"))
     models: dict[Any, Any] = {}
-    for name, replay, router_dtype in variants:
-        if router_dtype not in models:
+    for name, replay, router_dtype, weights in variants:
+        if (router_dtype, weights) not in models:
             extra = {"moe_router_dtype": router_dtype} if router_dtype else {}
             m = bridge.build_model(
                 hf_cfg, device=dev, dtype=dtype, core_attention=PackedAttention, **extra
             )
             bridge.load_hf_weights(m, hf_state, hf_cfg)
             m.eval()
-            models[router_dtype] = (m, RouterReplayer(m, shadow=True))
-        model, rep = models[router_dtype]
-        targets = gather_targets(pm, records, rep.layers)
+            models[router_dtype, weights] = (m, RouterReplayer(m, shadow=True, weights=weights))
+        model, rep = models[router_dtype, weights]
+        targets = gather_targets(pm, records, rep.layers, weights=weights == "engine")
         tokens = torch.from_numpy(ids).to(dev)
         pos = torch.from_numpy(np.asarray(pack.positions)[None]).to(dev)
         PackedAttention.CONTEXT = pack.attention_context(dev, theta)
@@ -250,11 +264,11 @@ def _table(rows: list[dict[str, Any]]) -> str:
     )
     lines = [head, "-" * len(head)]
     for r in rows:
-        for name in ("replay_on", "replay_off", "replay_on_router_fp32"):
+        for name in ("replay_ids_weights", "replay_on", "replay_off", "replay_on_router_fp32"):
             if name in r:
                 x = r[name]
                 lines.append(
-                    f"{r['dtype']:9} {name.replace('_', ' '):22} {x['route_agreement']:16.4f} "
+                    f"{r['dtype']:9} {LABELS[name]:22} {x['route_agreement']:16.4f} "
                     f"{x['mean_abs_logprob_diff']:13.6f} {x['max_abs_logprob_diff']:12.6f} "
                     f"{x['kl_k3']:10.2e}"
                 )
