@@ -16,7 +16,7 @@ Patch points (vLLM 0.32.0, checked by :func:`check_supported` before the engine 
   capture with ids only (model-specific routers, monolithic kernels' sinks);
 - ``WorkerWrapperBase.routereplay_route_weights_dtype`` reports the dtype the weights had.
 
-The worker installs it from the general plugin when the service sets ``ROUTEREPLAY_ROUTE_WEIGHTS``
+The worker installs it from the general plugin when the service sets ``RR_CAPTURE_ROUTE_WEIGHTS``
 (``--route-weights request|on``); without it vLLM runs untouched.
 """
 
@@ -37,7 +37,9 @@ __all__ = [
     "split_routes",
 ]
 
-ENV = "ROUTEREPLAY_ROUTE_WEIGHTS"
+# Outside the ROUTEREPLAY_ namespace: those variables are the service's settings (the user's
+# ROUTEREPLAY_ROUTE_WEIGHTS=request is --route-weights), which this internal flag must not touch.
+ENV = "RR_CAPTURE_ROUTE_WEIGHTS"
 SUPPORTED_VLLM = ("0.32.0",)
 # The one line of BaseRouter._select_experts this extension replaces: its shape is checked so a
 # vLLM that moved the capture (or dropped it) is refused instead of silently capturing nothing.
@@ -223,7 +225,7 @@ def _bind_checked(bind: Any, source: type, model: Any, capturer: Any) -> None:
 
 
 def maybe_install() -> None:
-    """Install when the service asked for it (``ROUTEREPLAY_ROUTE_WEIGHTS=1``)."""
+    """Install when the service asked for it (``RR_CAPTURE_ROUTE_WEIGHTS=1``)."""
     if os.environ.get(ENV) == "1":
         install()
 

@@ -22,14 +22,12 @@ import zstandard
 
 from routereplay.client import (
     DEFAULT_BLOCK_SIZE,
-    KeySchema,
     RouteRecord,
     RouteStore,
     decode_record,
     encode_record,
     expert_dtype,
 )
-from routereplay.client._layout import plan_put
 from routereplay.local_redis import redis_server
 
 
@@ -312,10 +310,12 @@ def bench_sizes_and_speed(rng: np.random.Generator, T: int, repeat: int) -> None
     )
 
 
-def _store_bytes(rec: RouteRecord, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-    """Bytes of the record's store chunks (what a put of it alone writes, manifest aside)."""
-    plan = plan_put(KeySchema(), "bench", rec, block_size)
-    return sum(len(plan.chunk_blob(i)) for i in range(len(plan.spans)))
+def _store_bytes(store: RouteStore, route_id: str, rec: RouteRecord) -> int:
+    """Bytes of the record's store chunks: what its put writes, manifest aside (no chunk of
+    another record is shared: every record here has its own tokens, or its own weights)."""
+    put = store.put(route_id, rec)
+    assert put.chunks_written == put.chunks_total, "a chunk was shared"
+    return put.bytes_written - put.manifest_bytes
 
 
 def bench_weights(rng: np.random.Generator, T: int, repeat: int, logit_std: float) -> None:
@@ -328,28 +328,42 @@ def bench_weights(rng: np.random.Generator, T: int, repeat: int, logit_std: floa
         f"{'w /raw':>7s} {'bits/w':>7s} {'store ids':>9s} {'store +w':>9s} "
         f"{'enc ms':>7s} {'enc+w ms':>8s} {'dec ms':>7s} {'dec+w ms':>8s}"
     )
-    for shape in SHAPES:
-        M, K = len(shape.moe_layers), shape.top_k
-        ex, w = softmax_routes(rng, T, M, shape.num_experts, K, logit_std)
-        rec = make_record(shape, ex, rng.integers(0, 151_000, T), T // 2, w)
-        ids = dataclasses.replace(rec, weights=None, weights_dtype=None)
-        b_ids, b_w = encode_record(ids), encode_record(rec)
-        raw_w = 2 * K * M  # bf16 bytes per token
-        w_tok = (len(b_w) - len(b_ids)) / T
-        times = [_best(lambda r=r: encode_record(r), repeat) for r in (ids, rec)] + [
-            _best(lambda b=b: decode_record(b), repeat) for b in (b_ids, b_w)
-        ]
-        print(
-            f"{shape.name:14s} {len(b_ids) / T:9.1f} {len(b_w) / T:9.1f} {w_tok:8.1f} "
-            f"{raw_w:6d} {w_tok / raw_w:7.3f} {8 * w_tok / (K * M):7.2f} "
-            f"{_store_bytes(ids) / T:9.1f} {_store_bytes(rec) / T:9.1f} "
-            + " ".join(f"{t * 1e3:{8 if i % 2 else 7}.1f}" for i, t in enumerate(times))
-        )
+    with redis_server() as url, RouteStore.from_url(url, prefix="w", ttl_s=3600) as store:
+        for shape in SHAPES:
+            _weights_row(store, shape, rng, T, repeat, logit_std)
     print(
         "ids / +w B/tok = record blob bytes per token without / with the weights plane (token ids"
         " included); w B/tok = their difference; w raw = 2*K*M (the bf16 weights uncompressed);"
         " bits/w = stored bits per weight; store = bytes per token of the record's store chunks"
         f" (block {DEFAULT_BLOCK_SIZE}, manifest aside); enc/dec = one record, best of {repeat}."
+    )
+
+
+def _weights_row(
+    store: RouteStore,
+    shape: Shape,
+    rng: np.random.Generator,
+    T: int,
+    repeat: int,
+    logit_std: float,
+) -> None:
+    """One shape's row of the weights table."""
+    M, K = len(shape.moe_layers), shape.top_k
+    ex, w = softmax_routes(rng, T, M, shape.num_experts, K, logit_std)
+    rec = make_record(shape, ex, rng.integers(0, 151_000, T), T // 2, w)
+    ids = dataclasses.replace(rec, weights=None, weights_dtype=None)
+    b_ids, b_w = encode_record(ids), encode_record(rec)
+    raw_w = 2 * K * M  # bf16 bytes per token
+    w_tok = (len(b_w) - len(b_ids)) / T
+    times = [_best(lambda r=r: encode_record(r), repeat) for r in (ids, rec)] + [
+        _best(lambda b=b: decode_record(b), repeat) for b in (b_ids, b_w)
+    ]
+    print(
+        f"{shape.name:14s} {len(b_ids) / T:9.1f} {len(b_w) / T:9.1f} {w_tok:8.1f} "
+        f"{raw_w:6d} {w_tok / raw_w:7.3f} {8 * w_tok / (K * M):7.2f} "
+        f"{_store_bytes(store, f'{shape.name}-ids', ids) / T:9.1f} "
+        f"{_store_bytes(store, f'{shape.name}-w', rec) / T:9.1f} "
+        + " ".join(f"{t * 1e3:{8 if i % 2 else 7}.1f}" for i, t in enumerate(times))
     )
 
 

@@ -4,6 +4,7 @@ app, over the synthetic engine: request field, service default, handle, stored r
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -143,3 +144,16 @@ async def test_second_turn_fills_skipped_rows_with_weights(redis_url: str) -> No
         handle, rec = await turn("w3", routed_experts_weights=True, routed_experts_prompt_start=32)
         assert handle["num_valid_rows"] == len(prompt) + 2 and rec.valid[:-1].all()
         np.testing.assert_array_equal(rec.weights[:-1], first.weights[:-1])
+
+
+def test_the_capture_flag_leaves_the_settings_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flag the service hands vLLM's processes is not a ROUTEREPLAY_ setting: a user's
+    ROUTEREPLAY_ROUTE_WEIGHTS is --route-weights, read unchanged after an engine start."""
+    from routereplay.service._route_weights import ENV
+    from routereplay.service.vllm_engine import VllmBackend
+
+    monkeypatch.setenv("ROUTEREPLAY_ROUTE_WEIGHTS", "request")
+    monkeypatch.setenv(ENV, "unset")  # restored after the test
+    VllmBackend("unused", served_model_name="m", route_weights="off")._set_route_weights_env()
+    assert os.environ[ENV] == "0"
+    assert Settings().route_weights == "request"
