@@ -208,8 +208,8 @@ async def running_app(redis_url: str, **kw: object) -> AsyncIterator[App]:
 
 @pytest.fixture()
 def weights_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where the apps' /reload_weights may read: the session's temporary directory (every test's
-    ``tmp_path`` is inside it)."""
+    """Where the apps' /reload_weights may read: the pytest session's temporary directory
+    (every test's ``tmp_path`` is inside it)."""
     return tmp_path_factory.getbasetemp()
 
 

@@ -7,7 +7,7 @@ service's ``/metrics`` beside ``routereplay_*``, with values that match what the
 
 One service for the module, with API keys (``/metrics`` needs one) and prometheus_client's
 multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``); its engine prefills 32 tokens a step, so a
-long prompt stays in prefill for seconds. The session's service shows the engine metrics
+long prompt stays in prefill for seconds. The pytest session's service shows the engine metrics
 without multiprocess mode.
 """
 

@@ -46,7 +46,8 @@ def own(
     redis_url: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Service, subprocess.Popen]]:
     log_dir = tmp_path_factory.mktemp("rl")
-    # Checkpoints are written to each test's tmp_path, inside the session's temporary directory.
+    # Checkpoints are written to each test's tmp_path, inside the pytest session's temporary
+    # directory.
     root = str(tmp_path_factory.getbasetemp())
     flags = ("--route-prefix", "rl", "--weights-root", root)
     with start_service(redis_url, tiny_model, log_dir, *flags) as (svc, proc):

@@ -1,7 +1,7 @@
 """Routing weights from the real engine (``--route-weights request``): the combine weights vLLM
 applied, beside the ids, equal to the tiny model's router recomputed by transformers (float32).
 
-Its own service (the session's one runs without the capture); one engine at a time.
+Its own service (the pytest session's one runs without the capture); one engine at a time.
 """
 
 from __future__ import annotations

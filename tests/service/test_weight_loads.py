@@ -145,7 +145,7 @@ def test_every_bad_load_is_a_400_and_the_old_weights_keep_serving(
 def test_a_service_without_weights_root_loads_no_files(
     http: httpx.Client, tiny_model: Path
 ) -> None:
-    """The session's service runs without --weights-root: even its own model is refused."""
+    """The pytest session's service runs without --weights-root: even its own model is refused."""
     version = http.get("/weight_info").json()
     r = http.post("/reload_weights", json={"weights_path": str(tiny_model)})
     err = r.json()["error"]
