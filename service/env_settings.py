@@ -44,8 +44,12 @@ def container_of(field: FieldInfo) -> type | None:
     return None
 
 
-def _json_problem(e: json.JSONDecodeError) -> str:
-    return f"not valid JSON ({e.msg} at column {e.colno})"
+def _load_json(variable: str, text: str, form: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        problem = f"not valid JSON ({e.msg} at column {e.colno})"
+        raise EnvValueError(variable, problem, form) from None
 
 
 def _json_kind(value: Any) -> str:
@@ -58,10 +62,7 @@ def _decode_list(variable: str, raw: str) -> list[Any]:
     if not text.startswith(("[", "{")):
         # Surrounding spaces and empty items (a trailing comma) are typing noise, not values.
         return [item.strip() for item in text.split(",") if item.strip()]
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise EnvValueError(variable, _json_problem(e), LIST_FORM) from None
+    value = _load_json(variable, text, LIST_FORM)
     if not isinstance(value, list):
         raise EnvValueError(variable, f"{_json_kind(value)}, not a list", LIST_FORM)
     return value
@@ -70,10 +71,7 @@ def _decode_list(variable: str, raw: str) -> list[Any]:
 def _decode_dict(variable: str, raw: str) -> dict[str, Any]:
     if not raw.strip():
         return {}
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise EnvValueError(variable, _json_problem(e), DICT_FORM) from None
+    value = _load_json(variable, raw, DICT_FORM)
     if not isinstance(value, dict):
         raise EnvValueError(variable, f"{_json_kind(value)}, not an object", DICT_FORM)
     return value
