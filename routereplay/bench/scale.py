@@ -303,6 +303,10 @@ def run_row(
         t0 = time.monotonic()
         start.set()
         w = _collect(results, writers, procs, deadline)
+        # A writer's last groups can still sit in its queue's feeder thread after its result
+        # arrives; its exit flushes them into the pipe, so the end markers go in after them.
+        for p in procs[:writers]:
+            p.join(max(0.0, deadline - time.monotonic()))
         for _ in range(readers):
             handoff.put(None)
         r = _collect(results, readers, procs, deadline)
