@@ -34,6 +34,7 @@ import torch
 
 from . import _legacy
 from ._legacy import LegacyRouterReplay
+from ._replay_common import ShadowReport, _EngineProbs, shadow_counts
 from ._targets import ReplayTargets
 from .errors import ReplayConfigError, RouteLayerMismatchError, TargetShapeError
 
@@ -90,20 +91,6 @@ def _requeue(rr: ReplayState, target: torch.Tensor, chosen: torch.Tensor) -> Non
                     setattr(chosen, name, getattr(target, name))
             rr.replay_backward_list[i] = chosen
             return
-
-
-class _EngineProbs(torch.autograd.Function):
-    """Forward: the engine's weights at ``rows`` (exact values), the router's probs elsewhere.
-    Backward: the identity into the router's probs (straight-through), so the router's gradient
-    is the one ids-only replay computes for the same upstream gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, probs: torch.Tensor, engine: torch.Tensor, rows: torch.Tensor) -> Any:
-        return torch.where(rows.unsqueeze(1), engine, probs)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return grad, None, None
 
 
 def _engine_probs(probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -397,16 +384,7 @@ class RouterReplayer:
     def _shadow_count(self, slot: RouterSlot, own: torch.Tensor, replayed: torch.Tensor) -> None:
         """Accumulate [rows, token mismatches, slot mismatches] on the device (no host sync;
         a handful of small ops per layer)."""
-        replayed = replayed.to(own.device)
-        # Experts of the router's own top-k that the replayed row does not hold.
-        off = (own.unsqueeze(2) != replayed.unsqueeze(1)).all(2).sum(1)
-        valid = self._shadow_valid.get(slot.layer)
-        if valid is not None and valid.shape[0] == own.shape[0]:
-            off = off * valid  # filler rows count as agreeing, and are not counted as rows
-            rows = valid.sum()
-        else:
-            rows = torch.full((), own.shape[0], device=own.device)
-        counts = torch.stack([rows, off.count_nonzero(), off.sum()])
+        counts = shadow_counts(own, replayed, self._shadow_valid.get(slot.layer))
         acc = self._shadow_acc.get(slot.layer)
         self._shadow_acc[slot.layer] = counts if acc is None else acc + counts
 
@@ -702,36 +680,6 @@ class RouterReplayer:
         for s in self.slots:
             s.replay.__dict__.pop("get_replay_topk", None)
         self.clear()
-
-
-@dataclass(frozen=True)
-class ShadowReport:
-    """Shadow diagnostics of some replayed forwards: ``per_layer[layer] = (rows, tokens whose
-    top-k set differs, chosen experts that differ)``; global 0-based layers."""
-
-    per_layer: dict[int, tuple[int, int, int]]
-    top_k: int
-
-    def token_mismatch(self, layer: int | None = None) -> float:
-        """Share of (token, layer) decisions whose expert set differs from the replayed one."""
-        items = [self.per_layer[layer]] if layer is not None else list(self.per_layer.values())
-        rows = sum(r for r, _, _ in items)
-        return sum(t for _, t, _ in items) / rows if rows else 0.0
-
-    def slot_mismatch(self, layer: int | None = None) -> float:
-        """Share of the router's own chosen experts that were not the replayed ones."""
-        items = [self.per_layer[layer]] if layer is not None else list(self.per_layer.values())
-        rows = sum(r for r, _, _ in items)
-        return sum(s for _, _, s in items) / (rows * self.top_k) if rows else 0.0
-
-    def as_metrics(self, prefix: str = "replay/") -> dict[str, float]:
-        out = {
-            f"{prefix}router_token_mismatch": self.token_mismatch(),
-            f"{prefix}router_slot_mismatch": self.slot_mismatch(),
-        }
-        for layer in self.per_layer:
-            out[f"{prefix}router_token_mismatch/layer_{layer}"] = self.token_mismatch(layer)
-        return out
 
 
 def _compact_dtype(num_experts: int) -> torch.dtype:
