@@ -1,8 +1,9 @@
 """Trainer adapter: align stored routes to packed Megatron batches and replay them.
 
 The alignment half (position maps, builders, parallel slicing, target gathering) is pure
-numpy and imports no Megatron. The installer half (:class:`RouterReplayer`, :class:`R2Recorder`,
-:func:`check_replay_config`) lives in one module, ``_megatron``, loaded on first use.
+numpy and imports no Megatron. The Megatron installer (:class:`RouterReplayer`,
+:class:`R2Recorder`, :func:`check_replay_config`) lives in one module, ``_megatron``, loaded on
+first use; the Hugging Face transformers one in :mod:`routereplay.trainer_adapter.hf`.
 """
 
 from __future__ import annotations

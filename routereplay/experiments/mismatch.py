@@ -17,8 +17,10 @@
    expert ids) hold. The slot order on its own: ids + weights with each row's slots shuffled,
    against the same forward run again (``--deterministic``: torch's deterministic algorithms).
 
-``--save-rollouts FILE`` writes step 1's data (records, tokens, engine logprobs) and
-``--from-rollouts FILE`` runs steps 2-3 from it elsewhere (the GPU machine has no vLLM).
+``--trainer hf`` runs steps 2-3 with the Hugging Face transformers model instead
+(``HFRouterReplayer``; every rollout a whole sequence of a position-id pack; replay on, off and
+ids + weights). ``--save-rollouts FILE`` writes step 1's data (records, tokens, engine logprobs)
+and ``--from-rollouts FILE`` runs steps 2-3 from it elsewhere (the GPU machine has no vLLM).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["main", "run_trainer"]
+__all__ = ["main", "run_trainer", "run_trainer_hf"]
 
 PROMPTS = [
     "The router picks two experts for every token of the batch",
@@ -299,6 +301,81 @@ def run_trainer(
     return results
 
 
+def run_trainer_hf(rollouts: dict[str, Any], *, device: str = "cpu") -> dict[str, Any]:
+    """The same numbers with the Hugging Face transformers model as the trainer
+    (:class:`~routereplay.trainer_adapter.hf.HFRouterReplayer`): every rollout as its own
+    sequence of a position-id pack, replay on (ids), ids + weights and off."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from routereplay.client import decode_record
+    from routereplay.trainer_adapter import gather_targets, sample_from_record, thd_position_map
+    from routereplay.trainer_adapter.hf import HFRouterReplayer, find_hf_routers, packed_inputs
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[rollouts["dtype"]]
+    items = rollouts["items"]
+    records = [decode_record(base64.b64decode(it["record"])) for it in items]
+    seqs = [it["prompt_ids"] + it["token_ids"] for it in items]
+    cu = np.cumsum([0] + [len(x) for x in seqs])
+    pm = thd_position_map([sample_from_record(i, r, length=len(seqs[i]))
+                           for i, r in enumerate(records)], cu, records=records)  # fmt: skip
+    ids, pos, mask = packed_inputs(seqs, dtype)
+    pm.check_tokens(records, ids.numpy())
+    # The sampled tokens: position of each, and the engine's logprob of it.
+    where = [
+        (int(cu[i]) + len(it["prompt_ids"]) + j, tok, lp)
+        for i, it in enumerate(items)
+        for j, (tok, lp) in enumerate(zip(it["token_ids"], it["logprobs"], strict=True))
+    ]
+    at = torch.tensor([w[0] for w in where], device=device)
+    tok = torch.tensor([w[1] for w in where], device=device)
+    engine_lp = np.array([w[2] for w in where])
+    model = AutoModelForCausalLM.from_pretrained(rollouts["model"], dtype=dtype).to(device).eval()
+    model.set_attn_implementation("sdpa")
+    layers = tuple(r.layer for r in find_hf_routers(model))
+    seen: dict[int, torch.Tensor] = {}
+    for r in find_hf_routers(model):  # the experts each MoE block actually used
+        block = model.get_submodule(r.name.rsplit(".", 1)[0])
+        block.experts.register_forward_pre_hook(
+            lambda m, a, layer=r.layer: seen.__setitem__(layer, a[1].detach().cpu())
+        )
+    results: dict[str, Any] = {
+        "dtype": rollouts["dtype"],
+        "trainer": "hf",
+        "tokens_packed": int(ids.numel()),
+        "sampled_tokens": len(where),
+    }
+    for name, weights in (("replay_ids_weights", "engine"), ("replay_on", "ids"),
+                          ("replay_off", None)):  # fmt: skip
+        if weights == "engine" and any(r.weights is None for r in records):
+            continue
+        targets = gather_targets(pm, records, layers, weights=weights == "engine")
+        rep = None if weights is None else HFRouterReplayer(model, weights=weights)
+        t0 = time.perf_counter()
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            if rep is not None:
+                stack.enter_context(rep.micro_batch(targets))
+            logits = model(ids.to(device), position_ids=pos.to(device),
+                           attention_mask=mask.to(device)).logits  # fmt: skip
+        took = time.perf_counter() - t0
+        if rep is not None:
+            rep.remove()
+        valid = targets.valid if targets.valid is not None else np.ones(ids.numel(), bool)
+        agree = sum(int((np.sort(seen[layer].numpy(), 1) == np.sort(targets.experts[k], 1))
+                        .all(1)[valid].sum()) for k, layer in enumerate(layers))  # fmt: skip
+        logp = torch.log_softmax(logits[0].float(), -1)
+        diff = logp[at - 1].gather(1, tok[:, None]).squeeze(1).cpu().numpy() - engine_lp
+        results[name] = {
+            "route_agreement": agree / (int(valid.sum()) * len(layers)),
+            "mean_abs_logprob_diff": float(np.abs(diff).mean()),
+            "max_abs_logprob_diff": float(np.abs(diff).max()),
+            "kl_k3": float(np.mean(np.exp(diff) - 1 - diff)),
+            "forward_s": round(took, 4),
+            "abs_diffs": np.abs(diff).round(6).tolist(),
+        }
+    return results
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (
         f"{'dtype':9} {'replay':29} {'route agreement':>16} {'mean |dlogp|':>13} "
@@ -356,6 +433,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--device", default="cpu")
     p.add_argument(
+        "--trainer",
+        choices=("megatron", "hf"),
+        default="megatron",
+        help="Megatron-Core (RouterReplayer) or Hugging Face transformers (HFRouterReplayer)",
+    )
+    p.add_argument(
         "--router-fp32",
         action="store_true",
         help="also replay with the router in float32 (routing weights' share)",
@@ -393,16 +476,27 @@ def main(argv: list[str] | None = None) -> int:
         all_rollouts = [collect_rollouts(model, d, args) for d in args.dtypes.split(",")]
         if args.save_rollouts:
             args.save_rollouts.write_text(json.dumps(all_rollouts))
-    rows = [run_trainer(r, device=args.device, router_fp32=args.router_fp32) for r in all_rollouts]
+    if args.trainer == "hf":
+        rows = [run_trainer_hf(r, device=args.device) for r in all_rollouts]
+    else:
+        rows = [
+            run_trainer(r, device=args.device, router_fp32=args.router_fp32) for r in all_rollouts
+        ]
     for r, ro in zip(rows, all_rollouts, strict=True):
         cached = sum(it["cached_tokens"] for it in ro["items"])
         prompts = sum(len(it["prompt_ids"]) for it in ro["items"])
         r["prefix_cache_hits"] = [cached, prompts]
+        pack = (
+            "a position-id pack, every rollout whole (the group's prompt and the trajectory's "
+            "history repeated)"
+            if args.trainer == "hf"
+            else f"THD sequences, a GRPO group of {args.group} as prompt + completions, a 3-turn "
+            "trajectory"
+        )
         print(
             f"{r['dtype']}: {r['sampled_tokens']} sampled tokens in one pack of "
-            f"{r['tokens_packed']} (THD sequences, a GRPO group of {args.group} as prompt + "
-            f"completions, a 3-turn trajectory); prefix-cache hits: {cached} of {prompts} "
-            "prompt tokens"
+            f"{r['tokens_packed']} ({pack}); prefix-cache hits: {cached} of {prompts} prompt "
+            "tokens"
         )
     print(_table(rows))
     for r in rows:
