@@ -272,3 +272,46 @@ def test_torch_compile_replays(backend: str) -> None:
             compiled(ids).logits.sum().backward()
         for k, layer in enumerate(rep.layers):
             assert np.array_equal(seen[layer][-1][0].numpy(), t.experts[k])
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_padded_batch_from_records(padding_side: str) -> None:
+    # gather_targets writes [B, S] rows sequence-major; a transformers router sees them
+    # batch-major: each (b, s) must get its record's row, padding its own choice.
+    from routereplay.client import RouteRecord
+    from routereplay.trainer_adapter import (
+        gather_targets,
+        padded_position_map,
+        sample_from_record,
+    )
+
+    model = _model("qwen3_moe")
+    rep = HFRouterReplayer(model)
+    rng = np.random.default_rng(7)
+    E, K, S = 8, 2, 12
+    records = []
+    for T in (9, 12, 5):
+        ex = np.stack([[rng.permutation(E)[:K] for _ in rep.layers] for _ in range(T)])
+        tokens = rng.integers(3, 96, T)
+        valid = np.ones(T, bool)
+        valid[-1] = False  # the final sampled token has no route
+        records.append(RouteRecord(tokens, ex.astype(np.uint8), valid, rep.layers, 3, E,
+                                   prompt_len=2))  # fmt: skip
+    samples = [sample_from_record(i, r) for i, r in enumerate(records)]
+    pmap = padded_position_map(samples, S, padding_side=padding_side)
+    ids = np.zeros((3, S), np.int64)
+    for b, r in enumerate(records):
+        T = r.num_tokens
+        sl = slice(0, T) if padding_side == "right" else slice(S - T, S)
+        ids[b, sl] = r.token_ids
+    targets = gather_targets(pmap, records, rep.layers, input_ids=ids)
+    seen, _ = _experts_seen(model)
+    with torch.no_grad(), rep.micro_batch(targets, batch_size=3):
+        model(torch.from_numpy(ids))
+    for k, layer in enumerate(rep.layers):
+        got = seen[layer][0][0].numpy().reshape(3, S, K)
+        for b, r in enumerate(records):
+            T = r.num_tokens
+            s0 = 0 if padding_side == "right" else S - T
+            want = r.experts[: T - 1, k].astype(np.int64)  # the valid rows
+            assert np.array_equal(got[b, s0 : s0 + T - 1], want), (layer, b)
