@@ -21,6 +21,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "benchmarks: store | service | trainer | routes | scale",
     ),
     "experiment": ("routereplay.cli:_experiment_main", "experiments: rl-loop | mismatch"),
+    "report": (
+        "routereplay.report:main",
+        "an HTML page of the routing: expert load per weight version, trainer coverage",
+    ),
     "loadtest": (
         "routereplay.bench.loadtest:main",
         "load a running service and verify every route it stored",

@@ -152,6 +152,10 @@ def create_app(
             metrics.bind_engine(be.engine_metrics())
             app.state.service = ServiceState.build(settings, metrics, be, st, clock)
             stack.push_async_callback(app.state.service.request_ids.aclose)
+            if (stats := app.state.service.capture.stats) is not None:
+                metrics.registry.register(stats)
+                stack.callback(stats.close)
+                stack.callback(metrics.registry.unregister, stats)
             watcher = None
             if on_fatal is not None:
                 watcher = asyncio.create_task(

@@ -20,6 +20,7 @@ from .errors import redact
 from .metrics import ServiceMetrics
 from .model_info import ModelInfo
 from .protocol import RouteHandle, WeightSpanOut
+from .routing_stats import RoutingStats
 
 __all__ = ["RouteCapture", "npy_base64"]
 
@@ -70,6 +71,7 @@ class RouteCapture:
         timeout_s: float = 30.0,
         offload_bytes: int = 1 << 18,
         max_pending: int = 256,
+        stats: RoutingStats | None = None,
     ) -> None:
         self.info = info
         self.metrics = metrics
@@ -77,6 +79,7 @@ class RouteCapture:
         self.timeout_s = timeout_s
         self.offload_bytes = offload_bytes
         self.max_pending = max_pending
+        self.stats = stats
         self.pending = 0
         metrics.pending_writes.set_function(lambda: self.pending)
 
@@ -200,6 +203,8 @@ class RouteCapture:
             return handle
         self.metrics.routes_stored.inc()
         self.metrics.route_bytes.inc(result.bytes_written)
+        if self.stats is not None:
+            self.stats.observe(record)
         handle.status = "stored"
         handle.num_valid_rows = int(record.valid.sum())
         handle.weight_version = record.weight_version

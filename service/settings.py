@@ -167,6 +167,19 @@ class Settings(BaseSettings):
     offload_bytes: int = Field(
         1 << 18, ge=0, description="records larger than this are built in a worker thread"
     )
+    routing_stats_window_s: float = Field(
+        60.0,
+        ge=0,
+        description="sliding window of the expert-load metrics (imbalance, entropy, unused "
+        "experts per MoE layer and weight version); 0: off",
+    )
+    routing_stats_versions: int = Field(
+        2, ge=1, le=16, description="weight versions that keep expert-load series (most recent)"
+    )
+    expert_metrics: bool = Field(
+        False,
+        description="also a token counter per (MoE layer, expert); models of at most 64 experts",
+    )
     request_id_lease_s: float = Field(
         30.0,
         gt=0,

@@ -13,7 +13,9 @@ from .clock import Clock, SystemClock
 from .engine import EngineBackend
 from .errors import EngineUnavailableError
 from .metrics import ServiceMetrics
+from .model_info import ModelInfo
 from .request_ids import RequestIds
+from .routing_stats import RoutingStats
 from .serving import ServingChat, ServingCompletion, ServingModels, ServingRL, ServingRoutes
 from .settings import Settings
 
@@ -68,7 +70,7 @@ class ServiceState:
         capture = RouteCapture(
             backend.info, metrics, ttl_s=settings.route_ttl_s,
             timeout_s=settings.store_timeout_s, offload_bytes=settings.offload_bytes,
-            max_pending=settings.max_pending_writes,
+            max_pending=settings.max_pending_writes, stats=routing_stats(settings, backend.info),
         )  # fmt: skip
         # A claim is renewed while its request runs, up to the longest a request may run (a
         # leaked one, a stream never started, lapses then); a dead replica's within one lease.
@@ -90,6 +92,17 @@ class ServiceState:
             routes=ServingRoutes(settings.max_batch_ids, settings.max_batch_bytes),
             rl=ServingRL(backend, metrics, settings.weights_root),
         )
+
+
+def routing_stats(settings: Settings, info: ModelInfo) -> RoutingStats | None:
+    """The expert-load telemetry of ``settings`` for the served model; None when it is off."""
+    if settings.routing_stats_window_s <= 0:
+        return None
+    return RoutingStats(
+        info.moe_layers, info.num_experts, info.top_k,
+        window_s=settings.routing_stats_window_s, versions=settings.routing_stats_versions,
+        per_expert=settings.expert_metrics,
+    )  # fmt: skip
 
 
 def service_state(request: Request) -> ServiceState:

@@ -16,9 +16,12 @@ import re
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 from prometheus_client.metrics import MetricWrapperBase
 
+from routereplay.client import RouteRecord
 from routereplay.service.metrics import ServiceMetrics
+from routereplay.service.routing_stats import RoutingStats
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAFANA = ROOT / "deploy" / "grafana"
@@ -56,6 +59,20 @@ def service_series() -> dict[str, set[str]]:
         for suffix in SUFFIXES[family.type]:
             out[family.name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
     assert out, "no metrics found in ServiceMetrics"
+    return out | routing_series()
+
+
+def routing_series() -> dict[str, set[str]]:
+    """The expert-load collector's series (service/routing_stats.py), read from what it exports
+    after counting one record, per-expert counter included."""
+    stats = RoutingStats((0, 1), 4, 2, per_expert=True)
+    ex = np.zeros((3, 2, 2), np.uint8)
+    ex[..., 1] = 1
+    stats.count(RouteRecord(np.arange(3), ex, np.ones(3, bool), (0, 1), 2, 4))
+    out: dict[str, set[str]] = {}
+    for family in stats.collect():
+        for sample in family.samples:
+            out.setdefault(sample.name, set()).update(sample.labels)
     return out
 
 

@@ -108,6 +108,21 @@ async def _bench_server(name: str, base: str, model: str, args: argparse.Namespa
     return out
 
 
+def _ratios(by: dict, a: str, b: str, title: str, note: str) -> list[str]:
+    """Rows of ``a``'s latency and throughput over ``b``'s, per concurrency both ran."""
+    pairs = [(conc, lv, by[(b, conc)]) for (srv, conc), lv in by.items()
+             if srv == a and (b, conc) in by]  # fmt: skip
+    if not pairs:
+        return []
+    rows = ["", f"{title:20s} conc   p50 ratio  p95 ratio  throughput ratio  {note}"]
+    for conc, x, y in pairs:
+        rows.append(
+            f"{'':20s} {conc:5d} {x.pct(50) / y.pct(50):10.3f} {x.pct(95) / y.pct(95):10.3f} "
+            f"{(x.n / x.wall_s) / (y.n / y.wall_s):17.3f}"
+        )
+    return rows
+
+
 def _report(levels: list[Level]) -> str:
     rows = ["server           conc  reqs   p50_s   p95_s   req/s   tok/s  resp_B/req  "
             "route_B/choice  trainer_B/req"]  # fmt: skip
@@ -120,20 +135,28 @@ def _report(levels: list[Level]) -> str:
             f"{trainer:14.0f}"
         )
     by = {(lv.server, lv.concurrency): lv for lv in levels}
-    rows.append("")
-    rows.append("routereplay / vllm   conc   p50 ratio  p95 ratio  throughput ratio  (targets: "
-                "latency <= 1.05, throughput >= 0.95)")  # fmt: skip
-    for (srv, conc), rr in by.items():
-        if srv != "routereplay" or ("vllm-inline", conc) not in by:
-            continue
-        v = by[("vllm-inline", conc)]
-        rows.append(
-            f"{'':20s} {conc:5d} {rr.pct(50) / v.pct(50):10.3f} {rr.pct(95) / v.pct(95):10.3f} "
-            f"{(rr.n / rr.wall_s) / (v.n / v.wall_s):17.3f}"
-        )
+    rows += _ratios(by, "routereplay", "vllm-inline", "routereplay / vllm",
+                    "(targets: latency <= 1.05, throughput >= 0.95)")  # fmt: skip
+    rows += _ratios(by, "routereplay", "rr-stats-off", "stats on / stats off",
+                    "(routing statistics: --routing-stats-window-s 60 against 0)")  # fmt: skip
     rows.append("trainer_B/req: vllm-inline = the base64 routes already in the response; "
                 "routereplay = one POST /v1/routes:batch of all the level's route ids")  # fmt: skip
     return "\n".join(rows)
+
+
+def _bench_routereplay(
+    server: str, extra: list[str], model: str, name: str, d: Path, args: argparse.Namespace
+) -> list[Level]:
+    """``routereplay serve`` (in-process vLLM, routes to a private Redis) with ``extra`` flags."""
+    with redis_server() as url:
+        port = free_port()
+        argv_r = [sys.executable, "-m", "routereplay.cli", "serve", "--model", model,
+                  "--served-model-name", name, "--port", str(port), "--redis-url", url,
+                  "--log-level", "warning", *_engine_flags(args), *extra]  # fmt: skip
+        print(f"starting routereplay serve {' '.join(extra)} (in-process vLLM, routes to Redis)"
+              " ...", flush=True)  # fmt: skip
+        with server_process(argv_r, f"http://127.0.0.1:{port}/ready", d / f"{server}.log"):
+            return asyncio.run(_bench_server(server, f"http://127.0.0.1:{port}", name, args))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--only", choices=["vllm", "routereplay"], help="run one server only")
     p.add_argument("--json", type=Path, help="also write raw numbers here")
+    p.add_argument(
+        "--routing-stats-off-too",
+        action="store_true",
+        help="also run routereplay with its routing statistics off (rr-stats-off), before the "
+        "default run: what the expert-load telemetry costs the capture path",
+    )
     args = p.parse_args(argv)
     if len(args.concurrency) != len(args.requests):
         p.error("--concurrency and --requests need the same number of entries")
@@ -173,17 +202,11 @@ def main(argv: list[str] | None = None) -> int:
                     _bench_server("vllm-inline", f"http://127.0.0.1:{port}", name, args)
                 )
         if args.only != "vllm":
-            with redis_server() as url:
-                port = free_port()
-                argv_r = [sys.executable, "-m", "routereplay.cli", "serve", "--model", model,
-                          "--served-model-name", name, "--port", str(port), "--redis-url", url,
-                          "--log-level", "warning", *_engine_flags(args)]  # fmt: skip
-                print("starting routereplay serve (in-process vLLM, routes to Redis) ...",
-                      flush=True)  # fmt: skip
-                with server_process(argv_r, f"http://127.0.0.1:{port}/ready", Path(d) / "rr.log"):
-                    levels += asyncio.run(
-                        _bench_server("routereplay", f"http://127.0.0.1:{port}", name, args)
-                    )
+            variants = [("routereplay", [])]
+            if args.routing_stats_off_too:
+                variants.insert(0, ("rr-stats-off", ["--routing-stats-window-s", "0"]))
+            for server, extra in variants:
+                levels += _bench_routereplay(server, extra, model, name, Path(d), args)
     print(f"\nmodel {model}; prompt {args.prompt_tokens} tokens, completion {args.max_tokens} "
           f"tokens (ignore_eos), float32, enforce-eager, same seeds for both servers")  # fmt: skip
     print(_report(levels))
