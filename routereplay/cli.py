@@ -20,7 +20,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "routereplay.cli:_bench_main",
         "benchmarks: store | service | trainer | routes | scale",
     ),
-    "experiment": ("routereplay.cli:_experiment_main", "experiments: rl-loop | mismatch"),
+    "experiment": (
+        "routereplay.cli:_experiment_main",
+        "experiments: rl-loop | mismatch | versions",
+    ),
     "report": (
         "routereplay.report:main",
         "an HTML page of the routing: expert load per weight version, trainer coverage",
@@ -34,6 +37,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
 _EXPERIMENTS: dict[str, str] = {
     "rl-loop": "routereplay.experiments.rl_loop:main",
     "mismatch": "routereplay.experiments.mismatch:main",
+    "versions": "routereplay.experiments.versions:main",
 }
 
 _BENCHES: dict[str, str] = {

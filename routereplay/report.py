@@ -120,8 +120,11 @@ def load_bars(usages: Sequence[Usage]) -> str:
         ax.set_title(title, fontsize=10)
         ax.set_xticks(np.arange(len(layers)) + 0.4 - width / 2, [str(x) for x in layers])
         ax.set_xlabel("MoE layer")
-    axes[0].legend(fontsize=8, title="weight version")
-    fig.tight_layout()
+    for ax in axes[1:]:  # shares: the whole 0..1 range, so a row of zeros still reads as one
+        ax.set_ylim(0, 1.05)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, title="weight version", fontsize=8, loc="center right")
+    fig.tight_layout(rect=(0, 0, 0.9, 1))
     return _png(fig)
 
 
@@ -184,23 +187,36 @@ def _table(usages: Sequence[Usage]) -> str:
     return f"<table>{head}{''.join(rows)}</table>"
 
 
-def render(
-    usages: Sequence[Usage], trainer_rows: Sequence[dict[str, float]] = (), title: str = ""
-) -> str:
-    """The HTML page (figures as inline PNGs)."""
+def figures(
+    usages: Sequence[Usage], trainer_rows: Sequence[dict[str, float]] = ()
+) -> dict[str, str]:
+    """The report's figures by file name, PNGs as base64."""
     if not usages:
         raise ValueError("no routes to report")
+    out = {"expert-utilisation.png": heatmaps(usages), "expert-load.png": load_bars(usages)}
+    names = ("trainer-coverage.png", "trainer-disagreement.png")
+    out.update(zip(names, trainer_figures(trainer_rows), strict=False))
+    return out
+
+
+def render(
+    usages: Sequence[Usage], trainer_rows: Sequence[dict[str, float]] = (), title: str = "",
+    figs: dict[str, str] | None = None,
+) -> str:  # fmt: skip
+    """The HTML page (figures as inline PNGs; ``figs``: :func:`figures` already drawn)."""
+    figs = figures(usages, trainer_rows) if figs is None else figs
     img = '<img alt="{alt}" src="data:image/png;base64,{b64}">'
     parts = [
         "<h2>Expert utilisation per MoE layer</h2>",
-        img.format(alt="expert utilisation heatmaps", b64=heatmaps(usages)),
+        img.format(alt="expert utilisation heatmaps", b64=figs["expert-utilisation.png"]),
         "<h2>Load per layer</h2>",
-        img.format(alt="load per layer", b64=load_bars(usages)),
+        img.format(alt="load per layer", b64=figs["expert-load.png"]),
         _table(usages),
     ]
-    if trainer_rows:
+    trainer = [b for name, b in figs.items() if name.startswith("trainer-")]
+    if trainer:
         parts.append("<h2>Trainer: coverage and engine-trainer disagreement</h2>")
-        parts += [img.format(alt="trainer figure", b64=b) for b in trainer_figures(trainer_rows)]
+        parts += [img.format(alt="trainer figure", b64=b) for b in trainer]
     name = html.escape(title or "routereplay routing report")
     return (
         f'<!doctype html><html><head><meta charset="utf-8"><title>{name}</title>{_CHECK}'
@@ -250,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--url", help="a routereplay service (routes by --ids)")
     src.add_argument("--redis-url", help="the route store itself")
     p.add_argument("--api-key", help="with --url: the service's API key")
-    p.add_argument("--prefix", default="rr", help="with --redis-url: the store's key prefix")
+    p.add_argument("--prefix", default="rr",
+                   help="with --redis-url: the store's key prefix (a tenant's routes, with API "
+                   "keys: <route-prefix>:t:<tenant>)")  # fmt: skip
     p.add_argument("--ids", nargs="*", default=[], help="route ids")
     p.add_argument(
         "--weight-version",
@@ -264,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--title", default="")
     p.add_argument("--out", type=Path, required=True, help="the HTML file to write")
+    p.add_argument("--png-dir", type=Path, help="also write each figure there as a PNG file")
     args = p.parse_args(argv)  # fmt: skip
     if args.url and not args.ids:
         p.error("--url needs --ids")
@@ -279,7 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     usages = usage_by_version(records)
     if args.weight_version:
         usages = [u for u in usages if u.version in args.weight_version] or usages
-    args.out.write_text(render(usages, rows, args.title))
+    figs = figures(usages, rows)
+    args.out.write_text(render(usages, rows, args.title, figs))
+    if args.png_dir:
+        args.png_dir.mkdir(parents=True, exist_ok=True)
+        for name, b64 in figs.items():
+            (args.png_dir / name).write_bytes(base64.b64decode(b64))
     print(f"{args.out}: {len(records)} routes, weight versions "
           f"{', '.join(u.version for u in usages)}")  # fmt: skip
     return 0

@@ -204,7 +204,7 @@ def run_trainer(
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     from routereplay.client import decode_record
-    from routereplay.trainer_adapter import RouterReplayer, gather_targets
+    from routereplay.trainer_adapter import RouterReplayer, batch_coverage, gather_targets
 
     from . import bridge
     from .packing import Pack, PackedAttention
@@ -291,6 +291,11 @@ def run_trainer(
         }
         if shadow is not None:
             results[name]["shadow_token_mismatch"] = shadow.token_mismatch()
+            if name == "replay_on":  # what a trainer logs each step (routereplay report)
+                results["trainer_log"] = {
+                    **batch_coverage(pm, records, rep.layers).as_metrics(),
+                    **shadow.as_metrics(),
+                }
     if "replay_ids_weights_slots_shuffled" in trainer_lps:
         # The slot order's effect alone (the same decisions, only the slots permuted), beside
         # what the same forward moves when it runs again (a GPU's atomic adds sum in any order).
@@ -455,6 +460,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", type=Path, help="write the numbers here")
     p.add_argument("--plot", type=Path, help="write a PNG of the |logprob difference| histograms")
+    p.add_argument(
+        "--trainer-log",
+        type=Path,
+        help="write the Megatron trainer's replay scalars (coverage, shadow diagnostics per "
+        "layer), one JSON line per dtype, as a trainer logs them (routereplay report)",
+    )
     args = p.parse_args(argv)
     if args.deterministic:
         import os
@@ -508,6 +519,10 @@ def main(argv: list[str] | None = None) -> int:
             )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
+    if args.trainer_log:
+        lines = [json.dumps({"step": i, "dtype": r["dtype"], **r["trainer_log"]})
+                 for i, r in enumerate(rows) if "trainer_log" in r]  # fmt: skip
+        args.trainer_log.write_text("\n".join(lines) + "\n")
     if args.plot:
         _plot(rows, args.plot, Path(all_rollouts[0]["model"]).name)
     return 0

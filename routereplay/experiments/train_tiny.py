@@ -149,9 +149,41 @@ def train(
 
 def finish(weights: Path, out: Path) -> None:
     """A checkpoint directory vLLM serves: the config, safetensors weights, the tokenizer."""
-    import shutil
+    import torch
+
+    config = json.loads((weights / "config.json").read_text())
+    _write_checkpoint(config, torch.load(weights / "weights.pt", map_location="cpu"), out)
+    print(out)
+
+
+def init_checkpoint(shape: str, out: Path, seed: int = 0) -> None:
+    """A checkpoint directory of ``shape`` at initialisation (normal, std 0.02, as the trainers
+    initialise): the same config as the trained one, so a service serving it can load the
+    trained weights in place (``/reload_weights``)."""
+    import tempfile
 
     import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = SHAPES[shape]
+    cfg = AutoConfig.for_model(**{k: v for k, v in config.items() if v is not None})
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with tempfile.TemporaryDirectory() as d:
+        # save_pretrained writes the checkpoint layout (one tensor per expert), not the fused
+        # one transformers holds in memory.
+        model.save_pretrained(d)
+        state = {}
+        for f in sorted(Path(d).glob("*.safetensors")):
+            state.update(load_file(f))
+    _write_checkpoint(config, state, out)
+    print(out)
+
+
+def _write_checkpoint(config: dict[str, Any], state: dict[str, Any], out: Path) -> None:
+    import shutil
+
     from safetensors.torch import save_file
 
     from routereplay.service.tiny_model import ensure_tiny_model
@@ -161,11 +193,9 @@ def finish(weights: Path, out: Path) -> None:
     for f in tiny.iterdir():
         if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
             shutil.copy2(f, out / f.name)
-    shutil.copy2(weights / "config.json", out / "config.json")
-    state = torch.load(weights / "weights.pt", map_location="cpu")
+    (out / "config.json").write_text(json.dumps(config, indent=1))
     save_file({k: v.float().contiguous() for k, v in state.items()}, out / "model.safetensors",
               metadata={"format": "pt"})  # fmt: skip
-    print(out)
 
 
 def routing_stats(model: Path | None, corpus: Path, shape: str, tokens: int = 4096) -> dict:
@@ -220,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("finish")
     c.add_argument("--weights", type=Path, required=True)
     c.add_argument("--out", type=Path, required=True)
+    i = sub.add_parser("init", help="a checkpoint of a shape at initialisation")
+    i.add_argument("--shape", choices=sorted(SHAPES), default="trained")
+    i.add_argument("--out", type=Path, required=True)
     d = sub.add_parser("stats", help="how learned a checkpoint's routing is (JSON)")
     d.add_argument("--model", type=Path, help="a checkpoint directory; omitted: at init")
     d.add_argument("--shape", choices=sorted(SHAPES), default="trained")
@@ -230,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "train":
         train(args.corpus, args.out, args.steps, args.batch, args.seq, args.lr, args.device,
               args.shape, args.max_seconds)  # fmt: skip
+    elif args.cmd == "init":
+        init_checkpoint(args.shape, args.out)
     elif args.cmd == "stats":
         print(json.dumps(routing_stats(args.model, args.corpus, args.shape), indent=1))
     else:
