@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from routereplay.client import RouteRecord
-from routereplay.expert_load import expert_counts, load_figures
+from routereplay.service.routing_stats import expert_counts, load_figures
 
 __all__ = ["Usage", "main", "render", "usage_by_version"]
 

@@ -4,7 +4,7 @@ public names (a package's ``__all__``), and the light client ships no tooling.
     client, local_redis              (nothing of ours)
     service                          -> client, local_redis
     trainer_adapter                  -> client
-    bench, experiments, cli          -> anything (tooling above every layer)
+    bench, experiments, report, cli  -> anything (tooling above every layer)
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ LAYERS = {
     "routereplay/bench": "bench",
     "routereplay/experiments": "experiments",
     "routereplay/cli.py": "cli",
+    "routereplay/report.py": "report",
 }
 ALLOWED = {
     "client": set(),
@@ -30,7 +31,8 @@ ALLOWED = {
     "service": {"client", "local_redis"},
     "trainer_adapter": {"client"},
     "bench": {"client", "service", "trainer_adapter", "local_redis"},
-    "experiments": {"client", "service", "trainer_adapter", "local_redis", "bench"},
+    "report": {"client", "service"},
+    "experiments": {"client", "service", "trainer_adapter", "local_redis", "bench", "report"},
     "cli": {"client", "service", "trainer_adapter", "local_redis", "bench", "experiments"},
 }
 

@@ -11,8 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from routereplay.client import RouteRecord
-from routereplay.expert_load import load_figures
-from routereplay.service.routing_stats import RoutingStats
+from routereplay.service.routing_stats import RoutingStats, load_figures
 
 from .conftest import MODEL, running_app, until
 
