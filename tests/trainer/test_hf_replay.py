@@ -315,3 +315,56 @@ def test_padded_batch_from_records(padding_side: str) -> None:
             s0 = 0 if padding_side == "right" else S - T
             want = r.experts[: T - 1, k].astype(np.int64)  # the valid rows
             assert np.array_equal(got[b, s0 : s0 + T - 1], want), (layer, b)
+
+
+def test_policy_coverage_and_prefetcher_drive_the_hf_replayer() -> None:
+    # The trainer-neutral half unchanged: Prefetcher prepares each step's targets in its
+    # thread, ReplayPolicy hands a stale sample to the router (own_routing), batch_coverage
+    # counts what replays; the transformers replayer follows the mask.
+    from routereplay.client import RouteRecord
+    from routereplay.trainer_adapter import (
+        Prefetcher,
+        ReplayPolicy,
+        batch_coverage,
+        gather_targets,
+        sample_from_record,
+        thd_position_map,
+    )
+
+    model = _model("qwen3_moe")
+    rep = HFRouterReplayer(model)
+    rng = np.random.default_rng(9)
+
+    def record(version: str, T: int) -> RouteRecord:
+        ex = np.stack([[rng.permutation(8)[:2] for _ in rep.layers] for _ in range(T)])
+        valid = np.ones(T, bool)
+        valid[-1] = False
+        return RouteRecord(rng.integers(3, 96, T), ex.astype(np.uint8), valid, rep.layers, 3, 8,
+                           weight_versions=[(version, 0, T)])  # fmt: skip
+
+    steps = [[record("step-2", 7), record("step-1", 5)], [record("step-2", 6)]]
+    policy = ReplayPolicy(require_version="step-2", on_violation="own_routing")
+
+    def prepare(records: list) -> tuple:
+        cu = np.cumsum([0] + [r.num_tokens for r in records])
+        pmap = thd_position_map([sample_from_record(i, r) for i, r in enumerate(records)], cu)
+        report = policy.decide(pmap, records, rep.layers)
+        targets = gather_targets(pmap, records, rep.layers, own_routing=report.own_routing)
+        ids = np.concatenate([r.token_ids for r in records])[None]
+        return ids, targets, report, batch_coverage(pmap, records, rep.layers)
+
+    seen, _ = _experts_seen(model)
+    with Prefetcher(prepare, steps, depth=1) as prepared:
+        for (ids, targets, report, cov), records in zip(prepared, steps, strict=True):
+            with torch.no_grad(), rep.micro_batch(targets):
+                model(torch.from_numpy(ids))
+            own = np.concatenate([np.full(r.num_tokens, r.weight_version == "step-1")
+                                  for r in records])  # fmt: skip
+            assert len(report.own_routing) == int(any(own))  # the stale sample, if any
+            mask = np.ones(own.size, bool) if targets.replay_mask is None else targets.replay_mask
+            assert np.array_equal(~mask, own)  # exactly the stale sample's rows
+            assert cov.replayed == sum(r.num_tokens - 1 for r in records)
+            replay = targets.valid & mask
+            for k, layer in enumerate(rep.layers):
+                got = seen[layer][-1][0].numpy()
+                assert np.array_equal(got[replay], targets.experts[k][replay])
