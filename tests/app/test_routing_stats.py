@@ -106,3 +106,22 @@ async def test_metrics_endpoint_shows_the_stored_routes_load(redis_url: str) -> 
     assert "routereplay_expert_load_imbalance{" in text
     assert "routereplay_unused_experts_ratio{" in text
     assert "routereplay_expert_tokens_total{" in text
+
+
+def test_report_from_a_service_by_ids(live_server, tmp_path) -> None:
+    # routereplay report --url: routes fetched over HTTP by id (the synthetic engine's).
+    import httpx
+
+    from routereplay.report import main as report_main
+
+    pytest.importorskip("matplotlib")
+    ids = []
+    with httpx.Client(base_url=live_server.url, timeout=60) as http:
+        for i in range(3):
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": f"report {i}",
+                                                   "max_tokens": 5})  # fmt: skip
+            ids.append(r.json()["choices"][0]["routed_experts"]["route_id"])
+    out = tmp_path / "r.html"
+    assert report_main(["--url", live_server.url, "--ids", *ids, "--out", str(out)]) == 0
+    page = out.read_text()
+    assert page.count("data:image/png;base64,") == 2 and "weight version" in page
