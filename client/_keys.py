@@ -49,6 +49,20 @@ class KeySchema:
     def manifest(self, route_id: str) -> str:
         return f"{self.prefix}:{{{route_id}}}:m"
 
+    def manifest_pattern(self) -> str:
+        """A Redis ``SCAN`` pattern matching every manifest under this prefix, and no other key
+        (route ids hold no braces; the prefix's glob characters are escaped)."""
+        prefix = re.sub(r"([*?\[\]\\])", r"\\\1", self.prefix)
+        return f"{prefix}:{{*}}:m"
+
+    def route_id(self, manifest_key: str | bytes) -> str:
+        """The route id a :meth:`manifest` key names."""
+        key = manifest_key.decode() if isinstance(manifest_key, bytes) else manifest_key
+        head, tail = f"{self.prefix}:{{", "}:m"
+        if not (key.startswith(head) and key.endswith(tail)):
+            raise ValueError(f"{key!r} is not a manifest key under prefix {self.prefix!r}")
+        return key[len(head) : -len(tail)]
+
     def chunk(self, digest: bytes) -> str:
         return f"{self.prefix}:c:{{{digest.hex()}}}"
 

@@ -227,18 +227,17 @@ def render(
 
 
 # -- where the routes come from ------------------------------------------------------------------
-def _ids_by_version(store: Any, versions: Sequence[str], limit: int) -> list[str]:
-    """Route ids in the store whose records carry one of ``versions``: a SCAN of manifests."""
-    ids = []
-    for key in store.redis.scan_iter(match=f"{store.keys.prefix}:{{*}}:m", count=1000):
-        key = key.decode() if isinstance(key, bytes) else key
-        ids.append(key[len(store.keys.prefix) + 2 : -3])
-    out = []
+def _records_by_version(store: Any, versions: Sequence[str], limit: int) -> list[RouteRecord]:
+    """Up to ``limit`` records in the store that carry one of ``versions``: a SCAN of its
+    manifests, read 256 at a time."""
+    keys = store.keys
+    ids = [keys.route_id(k) for k in store.redis.scan_iter(match=keys.manifest_pattern(),
+                                                             count=1000)]  # fmt: skip
+    out: list[RouteRecord] = []
     for i in range(0, len(ids), 256):
-        for rid, rec in zip(ids[i : i + 256], store.get_many(ids[i : i + 256], missing_ok=True),
-                            strict=True):  # fmt: skip
+        for rec in store.get_many(ids[i : i + 256], missing_ok=True):
             if rec is not None and any(str(v) in versions for v, _, _ in rec.weight_versions):
-                out.append(rid)
+                out.append(rec)
                 if len(out) >= limit:
                     return out
     return out
@@ -253,10 +252,10 @@ def load_records(args: argparse.Namespace) -> list[RouteRecord]:
     from routereplay.client import RouteStore
 
     with RouteStore.from_url(args.redis_url, prefix=args.prefix) as store:
-        ids = list(args.ids or [])
+        records = [r for r in store.get_many(args.ids, missing_ok=True) if r is not None]
         if args.weight_version:
-            ids += _ids_by_version(store, args.weight_version, args.max_routes)
-        return [r for r in store.get_many(ids, missing_ok=True) if r is not None]
+            records += _records_by_version(store, args.weight_version, args.max_routes)
+        return records
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -522,3 +522,25 @@ def test_a_forked_child_reads_with_its_own_decode_threads(closing, redis_url: st
 def _read_in_child(s: RouteStore, q) -> None:
     s.redis.connection_pool.reset()  # sockets are not shared with the parent
     q.put([r.num_tokens for r in s.get_many(["f0", "f1", "f2"])])
+
+
+def test_manifest_scan_finds_exactly_the_manifests(closing, redis_url: str) -> None:
+    # KeySchema names the manifests' SCAN pattern and reads ids back: chunks, index entries,
+    # claims and another prefix's keys (a tenant's, one with glob characters) do not match.
+    raw = closing(redis.Redis.from_url(redis_url))
+    base = f"scan{uuid.uuid4().hex[:6]}"
+    rec = make_record(np.arange(40) + 3, seed=0)
+    for prefix, ids in ((base, ["a", "b.1", "c:2"]), (f"{base}:t:alice", ["d"]),
+                        (f"{base}*", ["e"])):  # fmt: skip
+        with RouteStore.from_url(redis_url, prefix=prefix, block_size=16) as s:
+            for rid in ids:
+                s.put(rid, rec)
+            raw.set(s.keys.claim("a"), b"x")
+    for prefix, want in ((base, {"a", "b.1", "c:2"}), (f"{base}*", {"e"})):
+        with RouteStore.from_url(redis_url, prefix=prefix) as s:
+            keys = s.keys
+        found = {keys.route_id(k) for k in raw.scan_iter(match=keys.manifest_pattern())}
+        assert found == want
+        assert keys.route_id(keys.manifest("x-0")) == "x-0"
+        with pytest.raises(ValueError, match="not a manifest key"):
+            keys.route_id(keys.claim("a"))
