@@ -34,7 +34,7 @@ import numpy as np
 from routereplay.client import RouteRecord
 from routereplay.service.routing_stats import expert_counts, load_figures
 
-__all__ = ["Usage", "main", "render", "usage_by_version"]
+__all__ = ["Usage", "figures", "main", "render", "usage_by_version"]
 
 
 @dataclass
@@ -128,11 +128,12 @@ def load_bars(usages: Sequence[Usage]) -> str:
     return _png(fig)
 
 
-def trainer_figures(rows: Sequence[dict[str, float]], prefix: str = "replay/") -> list[str]:
-    """From a trainer's log: coverage per step, and the share of decisions where the trainer's
-    own router differs from the engine's, per layer (mean over the logged steps)."""
+def trainer_figures(rows: Sequence[dict[str, float]], prefix: str = "replay/") -> dict[str, str]:
+    """From a trainer's log, by file name: coverage per step, and the share of decisions where
+    the trainer's own router differs from the engine's, per layer (mean over the logged steps);
+    each only where the log has its scalars."""
     plt = _plt()
-    out = []
+    out = {}
     steps = [r.get("step", i) for i, r in enumerate(rows)]
     cov = [r.get(f"{prefix}coverage") for r in rows]
     if any(c is not None for c in cov):
@@ -142,7 +143,7 @@ def trainer_figures(rows: Sequence[dict[str, float]], prefix: str = "replay/") -
         ax.set_xlabel("step")
         ax.set_ylabel("coverage (rows with a route)")
         ax.set_title("replay coverage per step", fontsize=10)
-        out.append(_png(fig))
+        out["trainer-coverage.png"] = _png(fig)
     key = f"{prefix}router_token_mismatch/layer_"
     per_layer: dict[int, list[float]] = defaultdict(list)
     for r in rows:
@@ -157,7 +158,7 @@ def trainer_figures(rows: Sequence[dict[str, float]], prefix: str = "replay/") -
         ax.set_ylabel("tokens routed otherwise")
         ax.set_title("engine-trainer disagreement per layer (shadow diagnostics, mean over steps)",
                      fontsize=10)  # fmt: skip
-        out.append(_png(fig))
+        out["trainer-disagreement.png"] = _png(fig)
     return out
 
 
@@ -193,18 +194,15 @@ def figures(
     """The report's figures by file name, PNGs as base64."""
     if not usages:
         raise ValueError("no routes to report")
-    out = {"expert-utilisation.png": heatmaps(usages), "expert-load.png": load_bars(usages)}
-    names = ("trainer-coverage.png", "trainer-disagreement.png")
-    out.update(zip(names, trainer_figures(trainer_rows), strict=False))
-    return out
+    return {
+        "expert-utilisation.png": heatmaps(usages),
+        "expert-load.png": load_bars(usages),
+        **trainer_figures(trainer_rows),
+    }
 
 
-def render(
-    usages: Sequence[Usage], trainer_rows: Sequence[dict[str, float]] = (), title: str = "",
-    figs: dict[str, str] | None = None,
-) -> str:  # fmt: skip
-    """The HTML page (figures as inline PNGs; ``figs``: :func:`figures` already drawn)."""
-    figs = figures(usages, trainer_rows) if figs is None else figs
+def render(usages: Sequence[Usage], figs: dict[str, str], title: str = "") -> str:
+    """The HTML page: ``figs`` (:func:`figures` of ``usages``) as inline PNGs."""
     img = '<img alt="{alt}" src="data:image/png;base64,{b64}">'
     parts = [
         "<h2>Expert utilisation per MoE layer</h2>",
@@ -298,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.weight_version:
         usages = [u for u in usages if u.version in args.weight_version] or usages
     figs = figures(usages, rows)
-    args.out.write_text(render(usages, rows, args.title, figs))
+    args.out.write_text(render(usages, figs, args.title))
     if args.png_dir:
         args.png_dir.mkdir(parents=True, exist_ok=True)
         for name, b64 in figs.items():

@@ -106,3 +106,15 @@ def test_report_needs_routes(tmp_path: Path, redis_url: str) -> None:
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert p.returncode == 1 and "no routes found" in p.stderr
+
+
+def test_trainer_figures_are_named_by_what_the_log_holds() -> None:
+    # A log of shadow diagnostics only: one figure, the disagreement, under its own name.
+    from routereplay.report import figures
+
+    usages = usage_by_version(_records(np.random.default_rng(2), "v", 0.1, 2))
+    rows = [{"step": 0, "replay/router_token_mismatch/layer_1": 0.02}]
+    assert sorted(figures(usages, rows)) == [
+        "expert-load.png", "expert-utilisation.png", "trainer-disagreement.png"]  # fmt: skip
+    rows = [{"step": 0, "replay/coverage": 0.9}]
+    assert "trainer-coverage.png" in figures(usages, rows)
