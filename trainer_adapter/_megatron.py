@@ -34,7 +34,7 @@ import torch
 
 from . import _legacy
 from ._legacy import LegacyRouterReplay
-from ._replay_common import ShadowReport, _EngineProbs, shadow_counts
+from ._replay_common import ShadowCounts, ShadowReport, _EngineProbs
 from ._targets import ReplayTargets
 from .errors import ReplayConfigError, RouteLayerMismatchError, TargetShapeError
 
@@ -342,7 +342,7 @@ class RouterReplayer:
         # itself would choose, and count the (token, layer) decisions that differ. ``shadow``
         # may be switched off and on again (e.g. on some steps only).
         self.shadow = shadow
-        self._shadow_acc: dict[int, torch.Tensor] = {}
+        self._shadow = ShadowCounts()
         self._shadow_valid: dict[int, torch.Tensor | None] = {}
         for s in self.slots:
             self._wrap_topk(s)
@@ -384,9 +384,7 @@ class RouterReplayer:
     def _shadow_count(self, slot: RouterSlot, own: torch.Tensor, replayed: torch.Tensor) -> None:
         """Accumulate [rows, token mismatches, slot mismatches] on the device (no host sync;
         a handful of small ops per layer)."""
-        counts = shadow_counts(own, replayed, self._shadow_valid.get(slot.layer))
-        acc = self._shadow_acc.get(slot.layer)
-        self._shadow_acc[slot.layer] = counts if acc is None else acc + counts
+        self._shadow.add(slot.layer, own, replayed, self._shadow_valid.get(slot.layer))
 
     def shadow_report(self, *, reset: bool = True) -> ShadowReport:
         """What the routers would have chosen without replay, since the last report (or
@@ -396,14 +394,7 @@ class RouterReplayer:
             raise ReplayConfigError(
                 "shadow diagnostics are off: RouterReplayer(model, shadow=True)"
             )
-        per: dict[int, tuple[int, int, int]] = {}
-        for layer, acc in sorted(self._shadow_acc.items()):
-            rows, tok, slots = (int(x) for x in acc.tolist())
-            per[layer] = (rows, tok, slots)
-        top_k = self.slots[0].top_k
-        if reset:
-            self._shadow_acc.clear()
-        return ShadowReport(per, top_k)
+        return self._shadow.report(self.slots[0].top_k, reset=reset)
 
     # -- introspection ----------------------------------------------------------------------------
     @property
@@ -558,18 +549,9 @@ class RouterReplayer:
         return [t[idx[x]] for x in want]
 
     def _attach_weights(self, targets: ReplayTargets, per: list[torch.Tensor]) -> None:
-        if targets.weights is None:
-            raise ReplayConfigError(
-                "weights='engine' but the targets carry no engine weights: gather them with "
-                "gather_targets(..., weights=True)"
-            )
-        rows = torch.ones(targets.num_tokens, dtype=torch.bool)
-        if targets.valid is not None:
-            rows &= torch.from_numpy(targets.valid)
-        if targets.replay_mask is not None:
-            rows &= torch.from_numpy(targets.replay_mask)
-        rows = rows.to(self.device)
-        for t, w in zip(per, targets.weights_torch(self.device).unbind(0), strict=True):
+        weights = targets.weights_torch(self.device)
+        rows = torch.from_numpy(targets.replayed_rows()).to(self.device)
+        for t, w in zip(per, weights.unbind(0), strict=True):
             setattr(t, _ENGINE_W, w)
             setattr(t, _ENGINE_ROWS, rows)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ShadowReport", "shadow_counts"]
+__all__ = ["ShadowCounts", "ShadowReport", "shadow_counts"]
 
 
 class _EngineProbs(torch.autograd.Function):
@@ -70,3 +70,27 @@ class ShadowReport:
         for layer in self.per_layer:
             out[f"{prefix}router_token_mismatch/layer_{layer}"] = self.token_mismatch(layer)
         return out
+
+
+class ShadowCounts:
+    """Per-layer sums of :func:`shadow_counts` on the device (no host sync until
+    :meth:`report`)."""
+
+    def __init__(self) -> None:
+        self._acc: dict[int, torch.Tensor] = {}
+
+    def add(
+        self, layer: int, own: torch.Tensor, replayed: torch.Tensor, valid: torch.Tensor | None
+    ) -> None:
+        counts = shadow_counts(own, replayed, valid)
+        acc = self._acc.get(layer)
+        self._acc[layer] = counts if acc is None else acc + counts
+
+    def report(self, top_k: int, *, reset: bool = True) -> ShadowReport:
+        per: dict[int, tuple[int, int, int]] = {}
+        for layer, acc in sorted(self._acc.items()):
+            rows, tok, slots = (int(x) for x in acc.tolist())
+            per[layer] = (rows, tok, slots)
+        if reset:
+            self._acc.clear()
+        return ShadowReport(per, top_k)

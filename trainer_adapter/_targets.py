@@ -146,6 +146,25 @@ class ReplayTargets:
             weights=None if self.weights is None else self.weights[idx],
         )
 
+    def replayed_rows(self) -> np.ndarray:
+        """``[N]`` bool: the rows that replay a record's route (not fillers, not rows the
+        trainer's router chooses)."""
+        rows = np.ones(self.num_tokens, bool)
+        if self.valid is not None:
+            rows &= self.valid
+        if self.replay_mask is not None:
+            rows &= self.replay_mask
+        return rows
+
+    def engine_weights(self) -> np.ndarray:
+        """:attr:`weights`, or :class:`ReplayConfigError` saying how to gather them."""
+        if self.weights is None:
+            raise ReplayConfigError(
+                "weights='engine' but the targets carry no engine weights: gather them with "
+                "gather_targets(..., weights=True)"
+            )
+        return self.weights
+
     @property
     def own_rows(self) -> int:
         """Rows whose experts the trainer's router chooses."""
@@ -170,12 +189,10 @@ class ReplayTargets:
         return t.to(torch.int64 if dtype is None else dtype)
 
     def weights_torch(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """``[M, N, K]`` float32 engine weights on ``device`` (:attr:`weights` must be set)."""
+        """``[M, N, K]`` float32 engine weights on ``device`` (:meth:`engine_weights`)."""
         import torch
 
-        if self.weights is None:
-            raise ReplayConfigError("these targets carry no engine weights")
-        return torch.from_numpy(self.weights).to(device)
+        return torch.from_numpy(self.engine_weights()).to(device)
 
 
 # Outputs of at least this many bytes are copied by several threads: numpy's copies release the

@@ -35,7 +35,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from ._replay_common import ShadowReport, _EngineProbs, shadow_counts
+from ._replay_common import ShadowCounts, ShadowReport, _EngineProbs
 from ._targets import ReplayTargets
 from .errors import ReplayConfigError, RouteLayerMismatchError, TargetShapeError
 
@@ -195,7 +195,7 @@ class HFRouterReplayer:
         self.routers = find_hf_routers(model)
         self._installed: dict[int, _Installed] | None = None
         self._checked: set[int] = set()
-        self._shadow_acc: dict[int, torch.Tensor] = {}
+        self._shadow = ShadowCounts()
         self._hooks = [r.module.register_forward_hook(self._hook(r)) for r in self.routers]
 
     @property
@@ -235,20 +235,11 @@ class HFRouterReplayer:
                 f"targets are for MoE layers {list(targets.layers)}, the model's routers are at "
                 f"{list(self.layers)}"
             )
-        if self.weights == "engine" and targets.weights is None:
-            raise ReplayConfigError(
-                "weights='engine' but the targets carry no engine weights: gather them with "
-                "gather_targets(..., weights=True)"
-            )
-        n = targets.experts.shape[1]
-        replay = np.ones(n, bool)
-        if targets.valid is not None:
-            replay &= targets.valid
-        if targets.replay_mask is not None:
-            replay &= targets.replay_mask
+        engine = None
+        if self.weights == "engine":
+            engine = _batch_major(targets.engine_weights(), batch_size, 1)
         experts = _batch_major(targets.experts, batch_size, 1)
-        replay = _batch_major(replay, batch_size, 0)
-        engine = None if self.weights == "ids" else _batch_major(targets.weights, batch_size, 1)
+        replay = _batch_major(targets.replayed_rows(), batch_size, 0)
         out: dict[int, _Installed] = {}
         for k, r in enumerate(self.routers):
             dev = r.module.weight.device
@@ -288,9 +279,7 @@ class HFRouterReplayer:
         if t.engine is not None:
             w = _EngineProbs.apply(w, t.engine.to(w.dtype), t.replay)
         if self.shadow and t.calls == 1:  # not again in activation checkpointing's recompute
-            counts = shadow_counts(own_idx, t.experts, t.replay)
-            acc = self._shadow_acc.get(r.layer)
-            self._shadow_acc[r.layer] = counts if acc is None else acc + counts
+            self._shadow.add(r.layer, own_idx, t.experts, t.replay)
         return (logits, w, idx.to(own_idx.dtype), *output[3:])
 
     def _check_weight_fn(
@@ -316,13 +305,7 @@ class HFRouterReplayer:
         last report (rows that do not replay are not counted)."""
         if not self.shadow:
             raise ReplayConfigError("shadow diagnostics are off: HFRouterReplayer(shadow=True)")
-        per = {
-            layer: tuple(int(x) for x in acc.tolist())
-            for layer, acc in sorted(self._shadow_acc.items())
-        }
-        if reset:
-            self._shadow_acc.clear()
-        return ShadowReport(per, self.routers[0].top_k)  # type: ignore[arg-type]
+        return self._shadow.report(self.routers[0].top_k, reset=reset)
 
     def remove(self) -> None:
         """Take the hooks off: the model routes on its own again."""
