@@ -196,6 +196,19 @@ def _shuffle_slots(targets: Any, seed: int) -> Any:
     )
 
 
+def _gap(diff: np.ndarray, agreement: float, took: float) -> dict[str, Any]:
+    """One variant's numbers from ``diff`` = trainer - engine logprob per sampled token."""
+    return {
+        "route_agreement": agreement,
+        "mean_abs_logprob_diff": float(np.abs(diff).mean()),
+        "max_abs_logprob_diff": float(np.abs(diff).max()),
+        # k3: E[exp(d) - 1 - d], d = log p_trainer - log p_engine, tokens sampled by the engine
+        "kl_k3": float(np.mean(np.exp(diff) - 1 - diff)),
+        "forward_s": round(took, 4),
+        "abs_diffs": np.abs(diff).round(6).tolist(),
+    }
+
+
 def run_trainer(
     rollouts: dict[str, Any], *, device: str = "cpu", router_fp32: bool = False
 ) -> dict[str, Any]:
@@ -280,15 +293,7 @@ def run_trainer(
         trainer_lps[name] = trainer_lp
         diff = trainer_lp - engine_lp
         shadow = rep.shadow_report() if replay else None
-        results[name] = {
-            "route_agreement": agree / total if total else 1.0,
-            "mean_abs_logprob_diff": float(np.abs(diff).mean()),
-            "max_abs_logprob_diff": float(np.abs(diff).max()),
-            # k3: E[exp(d) - 1 - d], d = log p_trainer - log p_engine, tokens sampled by the engine
-            "kl_k3": float(np.mean(np.exp(diff) - 1 - diff)),
-            "forward_s": round(took, 4),
-            "abs_diffs": np.abs(diff).round(6).tolist(),
-        }
+        results[name] = _gap(diff, agree / total if total else 1.0, took)
         if shadow is not None:
             results[name]["shadow_token_mismatch"] = shadow.token_mismatch()
             if name == "replay_on":  # what a trainer logs each step (routereplay report)
@@ -337,9 +342,10 @@ def run_trainer_hf(rollouts: dict[str, Any], *, device: str = "cpu") -> dict[str
     engine_lp = np.array([w[2] for w in where])
     model = AutoModelForCausalLM.from_pretrained(rollouts["model"], dtype=dtype).to(device).eval()
     model.set_attn_implementation("sdpa")
-    layers = tuple(r.layer for r in find_hf_routers(model))
+    routers = find_hf_routers(model)
+    layers = tuple(r.layer for r in routers)
     seen: dict[int, torch.Tensor] = {}
-    for r in find_hf_routers(model):  # the experts each MoE block actually used
+    for r in routers:  # the experts each MoE block actually used
         block = model.get_submodule(r.name.rsplit(".", 1)[0])
         block.experts.register_forward_pre_hook(
             lambda m, a, layer=r.layer: seen.__setitem__(layer, a[1].detach().cpu())
@@ -370,14 +376,7 @@ def run_trainer_hf(rollouts: dict[str, Any], *, device: str = "cpu") -> dict[str
                         .all(1)[valid].sum()) for k, layer in enumerate(layers))  # fmt: skip
         logp = torch.log_softmax(logits[0].float(), -1)
         diff = logp[at - 1].gather(1, tok[:, None]).squeeze(1).cpu().numpy() - engine_lp
-        results[name] = {
-            "route_agreement": agree / (int(valid.sum()) * len(layers)),
-            "mean_abs_logprob_diff": float(np.abs(diff).mean()),
-            "max_abs_logprob_diff": float(np.abs(diff).max()),
-            "kl_k3": float(np.mean(np.exp(diff) - 1 - diff)),
-            "forward_s": round(took, 4),
-            "abs_diffs": np.abs(diff).round(6).tolist(),
-        }
+        results[name] = _gap(diff, agree / (int(valid.sum()) * len(layers)), took)
     return results
 
 
