@@ -34,6 +34,19 @@ from ._threads import default_decode_threads  # noqa: F401
 PY
 }
 
+# gpu_run_setup LOGDIR WHEELDIR: what a GPU run starts with: LOGDIR empty (as $LOGS), NCCL and
+# torch without NVLink multicast (KINDS.md), the carried wheels installed, routereplay staged and
+# both on PYTHONPATH.
+gpu_run_setup() {
+  LOGS=$1
+  rm -rf "$LOGS" && mkdir -p "$LOGS"
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  export PYTHONUNBUFFERED=1
+  install_wheels "$2" || exit 1
+  stage_package
+  export PYTHONPATH=/tmp/rr:/tmp/site
+}
+
 # run_check NAME NPROC ARGS...: one tests/gpu/replay_check.py configuration on $DEV, its log in
 # $LOGS/NAME.log, a line and the summary printed; sets fail=1 when it fails. ONLY=regex runs a
 # subset. PYTHONPATH is the caller's.

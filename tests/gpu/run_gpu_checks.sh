@@ -4,15 +4,9 @@
 # CPython 3.12). Writes one log per configuration under /tmp/rr-gpu-logs, tarred into $OUT
 # when the device tool's $OUT is set.
 set -u
-LOGS=/tmp/rr-gpu-logs
-rm -rf "$LOGS" && mkdir -p "$LOGS"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
 DEV=${DEV:-cuda}  # DEV=cpu SKIP_INSTALL=1 rehearses this script on a CPU machine
 . tests/gpu/_common.sh
-install_wheels .whl || exit 1
-stage_package
-export PYTHONPATH=/tmp/rr:/tmp/site
+gpu_run_setup /tmp/rr-gpu-logs .whl
 (cd /tmp && python3 -c 'import torch, megatron.core as m, routereplay.client as c; print("torch",
   torch.__version__, "gpus", torch.cuda.device_count(), "megatron-core", m.__version__, c.__file__)')
 [ "$DEV" = cuda ] && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

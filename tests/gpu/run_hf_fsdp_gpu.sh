@@ -5,15 +5,9 @@
 # transformers comes with the device image; carried wheels in .whl/ (msgpack, zstandard for
 # CPython 3.12). The log goes to /tmp/rr-hf-logs, and into $OUT when the device tool's $OUT is set.
 set -u
-LOGS=/tmp/rr-hf-logs
-rm -rf "$LOGS" && mkdir -p "$LOGS"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
 DEV=${DEV:-cuda}  # DEV=cpu SKIP_INSTALL=1 rehearses this script on a CPU machine
 . tests/gpu/_common.sh
-install_wheels .whl || exit 1
-stage_package
-export PYTHONPATH=/tmp/rr:/tmp/site
+gpu_run_setup /tmp/rr-hf-logs .whl
 (cd /tmp && python3 -c 'import torch, transformers; print("torch", torch.__version__, "gpus",
   torch.cuda.device_count(), "transformers", transformers.__version__)')
 [ "$DEV" = cuda ] && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
