@@ -241,6 +241,17 @@ def _records_by_version(store: Any, versions: Sequence[str], limit: int) -> list
     return out
 
 
+def _source_error(e: BaseException) -> bool:
+    """Whether ``e`` is the route source's answer (a route missing or malformed, Redis or the
+    service unreachable): reported in one line, not as a traceback."""
+    import httpx
+    import redis
+
+    from routereplay.client import RouteError
+
+    return isinstance(e, (RouteError, redis.RedisError, httpx.HTTPError, OSError))
+
+
 def load_records(args: argparse.Namespace) -> list[RouteRecord]:
     if args.url:
         from routereplay.client import RoutesClient
@@ -285,7 +296,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--url needs --ids")
     if args.redis_url and not (args.ids or args.weight_version):
         p.error("--redis-url needs --ids or --weight-version")
-    records = load_records(args)
+    try:
+        records = load_records(args)
+    except Exception as e:
+        if not _source_error(e):
+            raise
+        print(f"routereplay report: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     if not records:
         print("routereplay report: no routes found", file=sys.stderr)
         return 1

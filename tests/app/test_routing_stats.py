@@ -125,3 +125,18 @@ def test_report_from_a_service_by_ids(live_server, tmp_path) -> None:
     assert report_main(["--url", live_server.url, "--ids", *ids, "--out", str(out)]) == 0
     page = out.read_text()
     assert page.count("data:image/png;base64,") == 2 and "weight version" in page
+
+
+def test_report_answers_a_bad_source_in_one_line(live_server, capsys) -> None:
+    from routereplay.report import main as report_main
+
+    cases = [
+        (["--url", live_server.url, "--ids", "nope-0"], "RouteNotFoundError: route 'nope-0' not"),
+        (["--url", live_server.url, "--ids", "bad id{"], "RouteShapeError: invalid route id"),
+        (["--redis-url", "redis://127.0.0.1:1/0", "--weight-version", "v"], "ConnectionError"),
+    ]
+    for argv, want in cases:
+        assert report_main([*argv, "--out", "/nonexistent/never-written.html"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("routereplay report: ") and want in err, err
+        assert "Traceback" not in err
