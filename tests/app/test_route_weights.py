@@ -157,3 +157,36 @@ def test_the_capture_flag_leaves_the_settings_alone(monkeypatch: pytest.MonkeyPa
     VllmBackend("unused", served_model_name="m", route_weights="off")._set_route_weights_env()
     assert os.environ[ENV] == "0"
     assert Settings().route_weights == "request"
+
+
+async def test_weights_through_the_openai_sdk_and_the_field_at_its_edges(redis_url: str) -> None:
+    # The official SDK passes the field as extra_body; anything but a JSON boolean is a 400
+    # naming it, and nothing is stored for a refused request.
+    import openai
+
+    async with running_app(redis_url, backend=SyntheticBackend(MODEL)) as a:
+        c = await a.openai.completions.create(
+            model=MODEL, prompt="sdk", max_tokens=4, extra_body={"routed_experts_weights": True}
+        )
+        handle = c.choices[0].model_extra["routed_experts"]
+        assert handle["weights"] is True
+        assert (await a.store.get(handle["route_id"])).weights is not None
+        chat = await a.openai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+            extra_body={"routed_experts_weights": False},
+        )  # fmt: skip
+        assert chat.choices[0].model_extra["routed_experts"]["weights"] is False
+        # null is the field unset: the service default (no weights here).
+        c = await a.openai.completions.create(
+            model=MODEL, prompt="sdk", max_tokens=4, extra_body={"routed_experts_weights": None}
+        )
+        assert c.choices[0].model_extra["routed_experts"]["weights"] is False
+        before = a.keys()
+        for bad in ("yes", 1, 0, [True], {"on": True}):
+            with pytest.raises(openai.BadRequestError) as e:
+                await a.openai.completions.create(
+                    model=MODEL, prompt="sdk", max_tokens=4,
+                    extra_body={"routed_experts_weights": bad},
+                )  # fmt: skip
+            assert "routed_experts_weights" in str(e.value), (bad, e.value)
+        assert a.keys() == before
