@@ -120,9 +120,10 @@ def request_body(endpoint: str, phase: str, stream: bool, salt: int) -> tuple[st
     if endpoint == "chat":
         content = f"tell me everything, take {salt}"
         return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": content}]}
+    if phase != "prefill":
+        return "/v1/completions", {**body, "prompt": f"never mind, take {salt}"}
     # prefill: about 60 engine steps of 32 tokens before the first output.
-    prompt = token_prompt(salt, 1900) if phase == "prefill" else f"never mind, take {salt}"
-    return "/v1/completions", {**body, "max_tokens": 100, "prompt": prompt}
+    return "/v1/completions", {**body, "max_tokens": 100, "prompt": token_prompt(salt, 1900)}
 
 
 def reached(phase: str, c: httpx.Client, before: Samples) -> Callable[[], bool]:
@@ -143,9 +144,15 @@ def reached(phase: str, c: httpx.Client, before: Samples) -> Callable[[], bool]:
     return now
 
 
-def settled(c: httpx.Client, endpoint: str, gone_before: float) -> Callable[[], bool]:
+def settled(c: httpx.Client, endpoint: str, before: Samples) -> Callable[[], bool]:
+    gone_before = value(before, "routereplay_requests_total", endpoint=endpoint, status="499")
+    served_before = value(before, "routereplay_requests_total", endpoint=endpoint, status="200")
+
     def now() -> bool:
         m = scrape(c)
+        # A request that ran to its end before the socket closed is never gone: say so at once.
+        served = value(m, "routereplay_requests_total", endpoint=endpoint, status="200")
+        assert served == served_before, "the request finished before the client went away"
         return (
             value(m, "routereplay_requests_total", endpoint=endpoint, status="499") > gone_before
             and value(m, "routereplay_requests_inflight") == 0
@@ -212,8 +219,7 @@ def test_client_disconnect(
                     while got.count(b"data: ") < 2:  # the stream is under way
                         got += s.recv(65536)
             # The socket closed: the client went away.
-            gone = value(before, "routereplay_requests_total", endpoint=endpoint, status="499")
-            wait_for(settled(c, endpoint, gone), "the request counted as gone, none in flight")
+            wait_for(settled(c, endpoint, before), "the request counted as gone, none in flight")
             if phase == "queued":
                 assert admin.get("/is_paused").json()["is_paused"]  # settled while paused
         after = scrape(c)
