@@ -40,6 +40,7 @@ from ._targets import ReplayTargets
 from .errors import ReplayConfigError, RouteLayerMismatchError, TargetShapeError
 
 __all__ = [
+    "MIN_TRANSFORMERS",
     "SUPPORTED_MODEL_TYPES",
     "HFRouter",
     "HFRouterReplayer",
@@ -90,6 +91,10 @@ _FAMILIES: dict[str, tuple[str, WeightFn]] = {
     "gpt_oss": ("GptOssTopKRouter", _gpt_oss),
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES)
+# The oldest release whose routers all return (logits, weights, indices) from raw logits: before
+# 5.6 the Qwen/OLMoE/Mixtral routers return probabilities as their first output, before 5.13
+# DeepSeek-V3's returns its logits alone. Older releases are refused, never replayed wrongly.
+MIN_TRANSFORMERS = "5.13"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -117,6 +122,16 @@ def _model_type(model: torch.nn.Module) -> str:
     return str(model_type)
 
 
+def _other_layout(what: str) -> ReplayConfigError:
+    import transformers
+
+    return ReplayConfigError(
+        f"{what}: transformers {transformers.__version__} lays its MoE routers out differently "
+        f"from the one routing replay knows (transformers >= {MIN_TRANSFORMERS}: a router module "
+        "that returns (logits, weights, indices))"
+    )
+
+
 def find_hf_routers(model: torch.nn.Module) -> list[HFRouter]:
     """The model's MoE routers by global decoder layer, ascending. Refuses a model type it does
     not support, and a supported one whose routers it cannot find (another transformers layout)."""
@@ -128,13 +143,12 @@ def find_hf_routers(model: torch.nn.Module) -> list[HFRouter]:
         m = _LAYER.search(name)
         if m is None:
             raise ReplayConfigError(f"router {name!r} is not under a decoder layer (layers.<i>.)")
+        if not all(hasattr(mod, a) for a in ("top_k", "num_experts", "weight")):
+            raise _other_layout(f"{router_cls} has no top_k, num_experts or weight")
         found.append(HFRouter(int(m.group(1)), name, mod, fn, int(mod.top_k),
                               int(mod.num_experts)))  # fmt: skip
     if not found:
-        raise ReplayConfigError(
-            f"no {router_cls} in {type(model).__name__}: this transformers lays its MoE blocks "
-            "out differently from the one routing replay knows (transformers 5)"
-        )
+        raise _other_layout(f"no {router_cls} in {type(model).__name__}")
     found.sort(key=lambda r: r.layer)
     return found
 
@@ -265,6 +279,8 @@ class HFRouterReplayer:
         return hook
 
     def _replace(self, r: HFRouter, t: _Installed, output: Any) -> Any:
+        if not isinstance(output, tuple) or len(output) < 3:
+            raise _other_layout(f"{type(r.module).__name__} does not return a 3-tuple")
         logits, own_w, own_idx = output[0], output[1], output[2]
         if logits.shape[0] != t.experts.shape[0]:
             raise TargetShapeError(
@@ -296,7 +312,8 @@ class HFRouterReplayer:
             raise ReplayConfigError(
                 f"{type(r.module).__name__} of transformers {transformers.__version__} computes "
                 "its routing weights differently from what routing replay reproduces: replaying "
-                "would change the model's weights, so it is refused"
+                "would change the model's weights, so it is refused (transformers >= "
+                f"{MIN_TRANSFORMERS} is supported)"
             )
         self._checked.add(r.layer)
 

@@ -258,6 +258,30 @@ def test_what_cannot_replay_is_refused() -> None:
             pass  # no forward: nothing consumed the targets
 
 
+def test_older_router_layouts_are_refused() -> None:
+    """The router layouts of transformers releases before MIN_TRANSFORMERS, reproduced on the
+    installed one: refused by name, never replayed with the wrong weights."""
+    # Before 5.6 the Qwen routers' first output is the softmax, not the logits.
+    model = _model("qwen3_moe")
+    for r in find_hf_routers(model):
+        r.module.register_forward_hook(lambda m, a, out: (out[0].softmax(-1), *out[1:]))
+    rep = HFRouterReplayer(model)
+    with pytest.raises(ReplayConfigError, match=r"differently .*transformers >= 5\.13"):
+        with rep.micro_batch(_targets(model, 8, np.random.default_rng(0))):
+            model(torch.randint(3, 96, (1, 8)))
+    # Before 5.13 DeepSeek-V3's router has no top_k and returns its logits alone.
+    model = _model("deepseek_v3")
+    router = find_hf_routers(model)[0].module
+    router.register_forward_hook(lambda m, a, out: out[0])
+    rep = HFRouterReplayer(model)
+    with pytest.raises(ReplayConfigError, match="does not return a 3-tuple"):
+        with rep.micro_batch(_targets(model, 8, np.random.default_rng(0))):
+            model(torch.randint(3, 96, (1, 8)))
+    del router.top_k
+    with pytest.raises(ReplayConfigError, match=r"has no top_k.*transformers >= 5\.13"):
+        HFRouterReplayer(model)
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_torch_compile_replays(backend: str) -> None:
     # The hooks run eagerly between the compiled graphs: every call replays its own targets.
