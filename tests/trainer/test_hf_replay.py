@@ -102,6 +102,17 @@ def _targets(model: Any, n: int, rng: np.random.Generator, weights: bool = False
     return ReplayTargets(tuple(r.layer for r in routers), ex, E, weights=w)
 
 
+def _record(rng: np.random.Generator, layers: tuple[int, ...], T: int, **kw: Any) -> Any:
+    """A record of ``T`` random tokens routed top-2 of 8 on ``layers``; its final sampled token
+    has no route."""
+    from routereplay.client import RouteRecord
+
+    ex = np.stack([[rng.permutation(8)[:2] for _ in layers] for _ in range(T)])
+    valid = np.ones(T, bool)
+    valid[-1] = False
+    return RouteRecord(rng.integers(3, 96, T), ex.astype(np.uint8), valid, layers, 3, 8, **kw)
+
+
 @pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
 def test_replayed_experts_reach_the_experts(model_type: str) -> None:
     model = _model(model_type)
@@ -302,7 +313,6 @@ def test_torch_compile_replays(backend: str) -> None:
 def test_padded_batch_from_records(padding_side: str) -> None:
     # gather_targets writes [B, S] rows sequence-major; a transformers router sees them
     # batch-major: each (b, s) must get its record's row, padding its own choice.
-    from routereplay.client import RouteRecord
     from routereplay.trainer_adapter import (
         gather_targets,
         padded_position_map,
@@ -312,15 +322,8 @@ def test_padded_batch_from_records(padding_side: str) -> None:
     model = _model("qwen3_moe")
     rep = HFRouterReplayer(model)
     rng = np.random.default_rng(7)
-    E, K, S = 8, 2, 12
-    records = []
-    for T in (9, 12, 5):
-        ex = np.stack([[rng.permutation(E)[:K] for _ in rep.layers] for _ in range(T)])
-        tokens = rng.integers(3, 96, T)
-        valid = np.ones(T, bool)
-        valid[-1] = False  # the final sampled token has no route
-        records.append(RouteRecord(tokens, ex.astype(np.uint8), valid, rep.layers, 3, E,
-                                   prompt_len=2))  # fmt: skip
+    K, S = 2, 12
+    records = [_record(rng, rep.layers, T, prompt_len=2) for T in (9, 12, 5)]
     samples = [sample_from_record(i, r) for i, r in enumerate(records)]
     pmap = padded_position_map(samples, S, padding_side=padding_side)
     ids = np.zeros((3, S), np.int64)
@@ -360,11 +363,7 @@ def test_policy_coverage_and_prefetcher_drive_the_hf_replayer() -> None:
     rng = np.random.default_rng(9)
 
     def record(version: str, T: int) -> RouteRecord:
-        ex = np.stack([[rng.permutation(8)[:2] for _ in rep.layers] for _ in range(T)])
-        valid = np.ones(T, bool)
-        valid[-1] = False
-        return RouteRecord(rng.integers(3, 96, T), ex.astype(np.uint8), valid, rep.layers, 3, 8,
-                           weight_versions=[(version, 0, T)])  # fmt: skip
+        return _record(rng, rep.layers, T, weight_versions=[(version, 0, T)])
 
     steps = [[record("step-2", 7), record("step-1", 5)], [record("step-2", 6)]]
     policy = ReplayPolicy(require_version="step-2", on_violation="own_routing")
