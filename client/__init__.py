@@ -18,12 +18,13 @@ from ._errors import (
     RouteStoreError,
     RouteTruncatedError,
     RouteVersionError,
+    UnsupportedRedisError,
 )
 from ._http import AsyncRoutesClient, RoutesClient
 from ._keys import DEFAULT_BLOCK_SIZE, DEFAULT_TTL_S, KeySchema, validate_route_id
 from ._layout import PutResult, StoredRecord
 from ._record import RouteRecord, WeightSpan, expert_dtype
-from ._store import AsyncRouteStore, RouteStore
+from ._store import MIN_REDIS_VERSION, AsyncRouteStore, RouteStore
 from ._threads import default_decode_threads
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "DEFAULT_TTL_S",
     "FORMAT_VERSION",
     "MEDIA_TYPE",
+    "MIN_REDIS_VERSION",
     "AsyncRouteStore",
     "AsyncRoutesClient",
     "KeySchema",
@@ -52,6 +54,7 @@ __all__ = [
     "RouteVersionError",
     "RoutesClient",
     "StoredRecord",
+    "UnsupportedRedisError",
     "WeightSpan",
     "decode_record",
     "default_decode_threads",

@@ -13,6 +13,7 @@ __all__ = [
     "RouteShapeError",
     "RouteTruncatedError",
     "RouteVersionError",
+    "UnsupportedRedisError",
 ]
 
 
@@ -60,6 +61,10 @@ class RouteVersionError(RouteError, ValueError):
 
 class RouteStoreError(RouteError):
     """Redis answered but refused a command (out of memory, read-only replica, Redis < 7.0)."""
+
+
+class UnsupportedRedisError(RouteStoreError):
+    """The Redis server is older than the store needs (``MIN_REDIS_VERSION``)."""
 
 
 class RouteConnectionError(RouteError, ConnectionError):

@@ -31,6 +31,7 @@ from ._errors import (
     RouteConnectionError,
     RouteError,
     RouteStoreError,
+    UnsupportedRedisError,
 )
 from ._keys import DEFAULT_BLOCK_SIZE, DEFAULT_TTL_S, KeySchema, validate_route_id
 from ._layout import (
@@ -45,7 +46,13 @@ from ._layout import (
 from ._record import RouteRecord
 from ._threads import default_decode_threads
 
-__all__ = ["AsyncRouteStore", "RouteStore"]
+__all__ = ["MIN_REDIS_VERSION", "AsyncRouteStore", "RouteStore", "redis_versions"]
+
+# Connections a store opens to one Redis server at most (Redis's own limit is 10,000 clients).
+MAX_CONNECTIONS = 512
+
+# The oldest Redis the store runs on: a put extends shared chunks' TTLs with EXPIRE ... GT (7.0).
+MIN_REDIS_VERSION = (7, 0)
 
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 # Records above this many raw bytes are encoded/decoded in a worker thread by AsyncRouteStore,
@@ -101,6 +108,36 @@ def _redis_errors(where: str) -> Iterator[None]:
         raise RouteStoreError(
             f"redis {where} refused a command ({type(exc).__name__}): {first[:200]}"
         ) from exc
+
+
+def redis_versions(info: Any) -> list[str]:
+    """``redis_version`` of each server in an ``INFO server`` reply: one dict for a standalone
+    server, a dict of them (by node) for a cluster."""
+    if isinstance(info, dict) and "redis_version" in info:
+        return [str(info["redis_version"])]
+    if isinstance(info, dict):
+        return [v for node in info.values() for v in redis_versions(node)]
+    return []
+
+
+def check_redis_versions(versions: list[str], where: str) -> None:
+    """Raise :class:`UnsupportedRedisError` naming the oldest server under ``MIN_REDIS_VERSION``."""
+    if not versions:
+        raise UnsupportedRedisError(f"redis {where}: INFO server reported no redis_version")
+    oldest = min(versions, key=_version_key)
+    if _version_key(oldest) < MIN_REDIS_VERSION:
+        need = ".".join(map(str, MIN_REDIS_VERSION))
+        raise UnsupportedRedisError(
+            f"redis {where} is Redis {oldest}; routereplay needs Redis >= {need} (EXPIRE ... GT)"
+        )
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    parts = []
+    for p in version.split(".")[:3]:
+        digits = "".join(c for c in p if c.isdigit()) or "0"
+        parts.append(int(digits))
+    return tuple(parts)
 
 
 # Compare-and-delete: release a lease only if this holder's token still holds it.
@@ -270,6 +307,8 @@ class _Common:
         self._pool_pid = 0
         self._pool_lock = threading.Lock()
         self._where = where or repr(client)
+        # Set by the first successful server check (check_server, or the first operation).
+        self.server_versions: list[str] | None = None
 
     def _decode_pool(self) -> ThreadPoolExecutor | None:
         if self.decode_threads < 2:
@@ -292,6 +331,7 @@ class _Common:
 
     # (standalone client class, cluster client class): redis-py's sync or asyncio ones.
     _clients: tuple[type, type]
+    _blocking_pool: type  # redis-py's BlockingConnectionPool of the same flavour
     _retry: type  # redis-py's Retry of the same flavour
 
     @classmethod
@@ -313,6 +353,9 @@ class _Common:
             "socket_connect_timeout": 2.0,
             "socket_timeout": 10.0,
             "socket_keepalive": True,
+            # Connections per server (a cluster: per node). Each in-flight store operation
+            # holds one; more than this wait (standalone) for a free one.
+            "max_connections": MAX_CONNECTIONS,
         }
 
     @classmethod
@@ -332,9 +375,17 @@ class _Common:
         ``redis_kwargs`` go to redis-py's ``from_url`` (timeouts, pool size, TLS options).
         """
         url, is_cluster = _split_url(url, cluster)
-        client = cls._clients[is_cluster].from_url(
-            url, **{**cls._connection_defaults(), **redis_kwargs}
-        )
+        kwargs = {**cls._connection_defaults(), **redis_kwargs}
+        if is_cluster:
+            client = cls._clients[1].from_url(url, **kwargs)
+        else:
+            # A burst beyond the pool waits for a free connection (up to the socket timeout)
+            # instead of failing: redis-py's plain pool raises "Too many connections" past its
+            # limit (100 by default since redis-py 6), which failed route writes at a
+            # concurrency of 64 requests and more on a GPU engine.
+            kwargs.setdefault("timeout", kwargs["socket_timeout"])
+            pool = cls._blocking_pool.from_url(url, **kwargs)
+            client = cls._clients[0].from_pool(pool)
         return cls(
             client, prefix=prefix, ttl_s=ttl_s, block_size=block_size,
             decode_threads=decode_threads, where=url,
@@ -372,6 +423,15 @@ class _Common:
         return _raw_batch(self.keys, ids, start, max_bytes, self._mget)
 
     @property
+    def _all_nodes(self) -> dict[str, Any]:
+        # A cluster answers INFO from one node unless asked for all.
+        if isinstance(self.redis, RedisCluster):
+            return {"target_nodes": RedisCluster.ALL_NODES}
+        if isinstance(self.redis, AsyncRedisCluster):
+            return {"target_nodes": AsyncRedisCluster.ALL_NODES}
+        return {}
+
+    @property
     def _mget(self) -> bool:
         return not isinstance(self.redis, (RedisCluster, AsyncRedisCluster))
 
@@ -388,9 +448,28 @@ class RouteStore(_Common):
     """
 
     _clients = (redis.Redis, RedisCluster)
+    _blocking_pool = redis.BlockingConnectionPool
     _retry = SyncRetry
 
+    def check_server(self) -> list[str]:
+        """The Redis versions of the server (every node of a cluster); raises
+        :class:`UnsupportedRedisError` for one older than ``MIN_REDIS_VERSION``. Runs by itself
+        before the store's first operation."""
+        try:
+            with _redis_errors(self._where):
+                info = self.redis.info("server", **self._all_nodes)
+        except RouteStoreError as e:
+            if not isinstance(e.__cause__, redis.exceptions.NoPermissionError):
+                raise
+            self.server_versions = []  # an ACL without INFO: a write then says what failed
+            return []
+        check_redis_versions(versions := redis_versions(info), self._where)
+        self.server_versions = versions
+        return versions
+
     def _run(self, op: Op) -> Any:
+        if self.server_versions is None:
+            self.check_server()
         with _redis_errors(self._where):
             try:
                 batch = next(op)
@@ -486,7 +565,22 @@ class AsyncRouteStore(_Common):
     """
 
     _clients = (aioredis.Redis, AsyncRedisCluster)
+    _blocking_pool = aioredis.BlockingConnectionPool
     _retry = AsyncRetry
+
+    async def check_server(self) -> list[str]:
+        """See :meth:`RouteStore.check_server`."""
+        try:
+            with _redis_errors(self._where):
+                info = await self.redis.info("server", **self._all_nodes)
+        except RouteStoreError as e:
+            if not isinstance(e.__cause__, redis.exceptions.NoPermissionError):
+                raise
+            self.server_versions = []  # an ACL without INFO: a write then says what failed
+            return []
+        check_redis_versions(versions := redis_versions(info), self._where)
+        self.server_versions = versions
+        return versions
 
     async def _run(self, op: Op, big: bool = False) -> Any:
         # The operation's CPU work (encoding, decoding) runs between yields, i.e. inside send():
@@ -498,6 +592,8 @@ class AsyncRouteStore(_Common):
             except StopIteration as done:
                 return True, done.value
 
+        if self.server_versions is None:
+            await self.check_server()
         with _redis_errors(self._where):
             value: Any = None
             while True:

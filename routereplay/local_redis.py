@@ -66,10 +66,10 @@ def _wait_ping(port: int, timeout: float = 10.0) -> None:
     raise RuntimeError(f"redis-server on port {port} did not answer PING within {timeout}s")
 
 
-def _start(port: int, workdir: Path, *extra: str) -> subprocess.Popen:
+def _start(port: int, workdir: Path, *extra: str, binary: str | None = None) -> subprocess.Popen:
     proc = subprocess.Popen(
         [
-            _binary("redis-server"),
+            binary or _binary("redis-server"),
             "--port",
             str(port),
             "--bind",
@@ -102,8 +102,8 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 @contextlib.contextmanager
-def redis_server(maxmemory: str | None = None) -> Iterator[str]:
-    """A standalone redis-server; yields its URL.
+def redis_server(maxmemory: str | None = None, binary: str | None = None) -> Iterator[str]:
+    """A standalone redis-server (``binary``, default the one on PATH); yields its URL.
 
     ``maxmemory`` (e.g. ``"2gb"``) caps it and evicts the keys nearest their TTL first, so a
     long-running embedded service cannot grow without bound.
@@ -111,7 +111,7 @@ def redis_server(maxmemory: str | None = None) -> Iterator[str]:
     extra = ["--maxmemory", maxmemory, "--maxmemory-policy", "volatile-ttl"] if maxmemory else []
     with tempfile.TemporaryDirectory(prefix="rr-redis-") as d:
         port = free_port()
-        proc = _start(port, Path(d), *extra)
+        proc = _start(port, Path(d), *extra, binary=binary)
         try:
             yield f"redis://127.0.0.1:{port}/0"
         finally:

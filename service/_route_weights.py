@@ -16,8 +16,9 @@ Patch points (vLLM 0.32.0, checked by :func:`check_supported` before the engine 
   capture with ids only (model-specific routers, monolithic kernels' sinks);
 - ``WorkerWrapperBase.routereplay_route_weights_dtype`` reports the dtype the weights had.
 
-The worker installs it from the general plugin when the service sets ``RR_CAPTURE_ROUTE_WEIGHTS``
-(``--route-weights request|on``); without it vLLM runs untouched.
+The worker installs it from the general plugin ``routereplay_capture`` (``_vllm_plugins``) when
+the service sets ``RR_CAPTURE_ROUTE_WEIGHTS`` (``--route-weights request|on``); without it vLLM
+runs untouched.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ __all__ = [
     "RouteWeightsUnsupported",
     "check_supported",
     "install",
+    "installed",
+    "is_ids_only",
     "split_routes",
 ]
 
@@ -224,6 +227,15 @@ def _bind_checked(bind: Any, source: type, model: Any, capturer: Any) -> None:
     bind(model, capturer)
 
 
+def installed() -> bool:
+    """Whether this process's vLLM routes with the weights handed to the capture."""
+    try:
+        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+    except ImportError:
+        return False
+    return bool(getattr(BaseRouter._select_experts, "_routereplay", False))
+
+
 def maybe_install() -> None:
     """Install when the service asked for it (``RR_CAPTURE_ROUTE_WEIGHTS=1``)."""
     if os.environ.get(ENV) == "1":
@@ -232,12 +244,27 @@ def maybe_install() -> None:
 
 def split_routes(routes: np.ndarray, top_k: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
     """A widened ``[R, L, 2K]`` int32 capture -> ids ``[R, L, K]`` (vLLM's uint8/uint16) and
-    weights ``[R, L, K]`` float32 (the engine's values, exactly)."""
+    weights ``[R, L, K]`` float32 (the engine's values, exactly).
+
+    The ids are checked in range as int32 before they are narrowed: narrowing first would turn
+    a layout change (weights' float bits in the id slots) into plausible small ids."""
     if routes.dtype != np.int32 or routes.ndim != 3 or routes.shape[2] != 2 * top_k:
         raise ValueError(
             f"routes of shape {routes.shape} {routes.dtype} are not the routing-weight "
             f"capture's [rows, layers, {2 * top_k}] int32"
         )
-    ids = routes[:, :, :top_k].astype(np.uint8 if num_experts <= 256 else np.uint16)
+    wide = routes[:, :, :top_k]
+    if wide.size and (int(wide.min()) < 0 or int(wide.max()) >= num_experts):
+        raise ValueError(
+            f"routing-weight capture: expert ids in [{int(wide.min())}, {int(wide.max())}] "
+            f"outside [0, {num_experts}); the capture's row layout is not the expected one"
+        )
+    ids = wide.astype(np.uint8 if num_experts <= 256 else np.uint16)
     weights = np.ascontiguousarray(routes[:, :, top_k:]).view(np.float32)
     return ids, weights
+
+
+def is_ids_only(routes: np.ndarray, top_k: int) -> bool:
+    """True for vLLM's own ``[R, L, K]`` uint8/uint16 ids (a worker without the weights
+    capture): those ids are still the engine's routes."""
+    return routes.ndim == 3 and routes.shape[2] == top_k and routes.dtype in (np.uint8, np.uint16)

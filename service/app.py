@@ -12,22 +12,23 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI
 
-from routereplay.client import AsyncRouteStore
+from routereplay.client import AsyncRouteStore, RouteConnectionError, UnsupportedRedisError
 
 from .auth import KeyRing
 from .clock import Clock, SystemClock
 from .engine import EngineBackend
-from .errors import install_error_handlers, redact
+from .errors import StartupRefused, install_error_handlers, redact
 from .http_limits import BodySizeLimit
 from .metrics import ServiceMetrics
 from .routers import ROUTERS
 from .settings import Settings
 from .state import ServiceState
 
-__all__ = ["create_app", "make_backend"]
+__all__ = ["StartupRefusalQuiet", "create_app", "make_backend"]
 
 log = logging.getLogger("routereplay.service")
 
@@ -85,6 +86,51 @@ def make_backend(settings: Settings) -> EngineBackend:
     )
 
 
+async def _check_redis(store: AsyncRouteStore) -> None:
+    """Refuse a Redis older than the store needs; an unreachable one is checked by the store
+    before its first write instead (the service starts without Redis and reports it on /ready)."""
+    try:
+        versions = await store.check_server()
+    except UnsupportedRedisError as e:
+        raise StartupRefused(str(e)) from e
+    except RouteConnectionError as e:
+        log.warning("Redis unreachable at start, its version is checked on first use: %s", e)
+        return
+    log.info("Redis %s", ", ".join(sorted(set(versions))) or "version not readable (ACL)")
+
+
+@contextlib.asynccontextmanager
+async def _refusals(app: FastAPI) -> AsyncIterator[None]:
+    """Keep a start-up refusal's one line in ``app.state.refused`` for ``routereplay serve``
+    (StartupRefusalQuiet keeps the server from printing its traceback)."""
+    try:
+        yield
+    except StartupRefused as e:
+        app.state.refused = str(e)
+        log.critical("cannot serve: %s", e)
+        raise
+
+
+class StartupRefusalQuiet:
+    """ASGI wrapper: a lifespan that failed with :class:`StartupRefused` reports no traceback to
+    the server (Starlette sends one as the failure message, uvicorn logs it); the refusal's one
+    line is logged and printed instead."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            return await self.app(scope, receive, send)
+
+        async def quiet_send(message: Any) -> None:
+            if message["type"] == "lifespan.startup.failed" and self.app.state.refused:
+                message = {**message, "message": ""}
+            await send(message)
+
+        await self.app(scope, receive, quiet_send)
+
+
 # How often the watcher looks at the engine: a death is acted on within this (plus the grace).
 ENGINE_CHECK_INTERVAL_S = 0.5
 
@@ -123,7 +169,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with contextlib.AsyncExitStack() as stack:
+        async with _refusals(app), contextlib.AsyncExitStack() as stack:
             st = store
             if st is None:
                 url = settings.redis_url
@@ -143,6 +189,7 @@ def create_app(
                     block_size=settings.block_size,
                 )  # fmt: skip
                 stack.push_async_callback(st.close)
+            await _check_redis(st)
             be = backend
             if be is None:
                 be = make_backend(settings)
@@ -180,6 +227,7 @@ def create_app(
         redoc_url=None,
     )
     app.state.service = None
+    app.state.refused = None
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.keys = KeyRing.from_settings(settings)

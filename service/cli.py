@@ -141,7 +141,7 @@ def serve_main(argv: list[str]) -> int:
         return 2
     import uvicorn
 
-    from .app import create_app
+    from .app import StartupRefusalQuiet, create_app
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     fatal: list[str] = []
@@ -166,12 +166,19 @@ def serve_main(argv: list[str]) -> int:
             settings.host,
         )
     config = uvicorn.Config(
-        app, log_level=settings.log_level, timeout_graceful_shutdown=10,
+        StartupRefusalQuiet(app), log_level=settings.log_level, timeout_graceful_shutdown=10,
         # One worker: the engine lives in this process; vLLM scales inside it.
         workers=1,
     )  # fmt: skip
     server = stop.server = uvicorn.Server(config)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except SystemExit:  # uvicorn's exit when the lifespan failed to start
+        if app.state.refused is None:
+            raise
+    if app.state.refused is not None:
+        print(f"routereplay serve: error: {app.state.refused}", file=sys.stderr)
+        return 2
     if fatal:
         logging.getLogger("routereplay.service").critical("exiting with status 3: %s", fatal[0])
         return ENGINE_DEAD_EXIT

