@@ -92,9 +92,11 @@ async def _check_redis(store: AsyncRouteStore) -> None:
     try:
         versions = await store.check_server()
     except UnsupportedRedisError as e:
-        raise StartupRefused(str(e)) from e
+        raise StartupRefused(redact(str(e))) from e
     except RouteConnectionError as e:
-        log.warning("Redis unreachable at start, its version is checked on first use: %s", e)
+        log.warning(
+            "Redis unreachable at start, its version is checked on first use: %s", redact(str(e))
+        )
         return
     log.info("Redis %s", ", ".join(sorted(set(versions))) or "version not readable (ACL)")
 
