@@ -23,6 +23,7 @@ from ._errors import (
 from ._http import AsyncRoutesClient, RoutesClient
 from ._keys import DEFAULT_BLOCK_SIZE, DEFAULT_TTL_S, KeySchema, validate_route_id
 from ._layout import PutResult, StoredRecord
+from ._load import UNKNOWN_VERSION, expert_counts, load_figures
 from ._record import RouteRecord, WeightSpan, expert_dtype
 from ._store import MIN_REDIS_VERSION, AsyncRouteStore, RouteStore
 from ._threads import default_decode_threads
@@ -34,6 +35,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MEDIA_TYPE",
     "MIN_REDIS_VERSION",
+    "UNKNOWN_VERSION",
     "AsyncRouteStore",
     "AsyncRoutesClient",
     "KeySchema",
@@ -59,6 +61,8 @@ __all__ = [
     "decode_record",
     "default_decode_threads",
     "encode_record",
+    "expert_counts",
     "expert_dtype",
+    "load_figures",
     "validate_route_id",
 ]

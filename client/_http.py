@@ -12,6 +12,7 @@ differ only in ``await``.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from ._errors import (
 from ._keys import validate_route_id
 from ._layout import finish_read, plan_read
 from ._record import RouteRecord
+from ._threads import DecodePool, default_decode_threads
 
 __all__ = ["AsyncRoutesClient", "RoutesClient"]
 
@@ -92,16 +94,24 @@ class _BatchRead:
     def add(self, resp: httpx.Response) -> None:
         _raise_for(resp)
         part = RawBatch.unpack(resp.content)
-        if set(part.deferred) >= set(self.pending):
+        # Only ids still asked for can be deferred: a server naming others cannot grow the
+        # loop, and each round must settle at least one id, so there are at most len(ids).
+        asked = set(self.pending)
+        deferred = [i for i in dict.fromkeys(part.deferred) if i in asked]
+        if len(deferred) >= len(asked):
             raise RouteCorruptError("the service made no progress on a batch (every id deferred)")
         self.got.manifests.update(part.manifests)
         self.got.chunks.update(part.chunks)
         self.got.errors.update(part.errors)
-        self.pending = part.deferred
+        self.pending = deferred
 
-    def results(self, missing_ok: bool, return_exceptions: bool) -> list[Any]:
+    def results(self, missing_ok: bool, return_exceptions: bool, decoder: DecodePool) -> list[Any]:
         plan = plan_read(self.ids, [self.got.manifests.get(i) for i in self.ids], self.start)
-        results: list[RouteRecord | RouteError | None] = finish_read(plan, self.got.chunks)
+        pool = decoder.get()
+        parts = 2 * decoder.threads if pool is not None else 1
+        results: list[RouteRecord | RouteError | None] = finish_read(
+            plan, self.got.chunks, pool, parts
+        )
         for n, rid in enumerate(self.ids):
             if rid in self.got.errors:
                 results[n] = self.got.errors[rid]
@@ -132,7 +142,11 @@ class RoutesClient:
         transport: httpx.BaseTransport | None = None,
         headers: dict[str, str] | None = None,
         api_key: str | None = None,
+        decode_threads: int | None = None,
     ) -> None:
+        """``decode_threads``: threads that decode a batch's chunks (default
+        :func:`default_decode_threads`; 1 decodes on the calling thread)."""
+        self._decoder = DecodePool(decode_threads or default_decode_threads())
         self._http = httpx.Client(
             base_url=base_url,
             timeout=timeout,
@@ -164,7 +178,7 @@ class RoutesClient:
         read = _BatchRead(route_ids, start)
         while (req := read.next_request()) is not None:
             read.add(self._send("POST", "/v1/routes:batch", **req))
-        return read.results(missing_ok, return_exceptions)
+        return read.results(missing_ok, return_exceptions, self._decoder)
 
     def delete(self, route_id: str) -> bool:
         """Delete a record; False if it did not exist."""
@@ -173,6 +187,7 @@ class RoutesClient:
 
     def close(self) -> None:
         self._http.close()
+        self._decoder.close()
 
     def __enter__(self) -> RoutesClient:
         return self
@@ -192,7 +207,9 @@ class AsyncRoutesClient:
         transport: httpx.AsyncBaseTransport | None = None,
         headers: dict[str, str] | None = None,
         api_key: str | None = None,
+        decode_threads: int | None = None,
     ) -> None:
+        self._decoder = DecodePool(decode_threads or default_decode_threads())
         self._http = httpx.AsyncClient(
             base_url=base_url,
             timeout=timeout,
@@ -209,7 +226,8 @@ class AsyncRoutesClient:
     async def get(self, route_id: str, *, start: int = 0) -> RouteRecord:
         """See :meth:`RoutesClient.get`."""
         url, kw = _get_request(route_id, start)
-        return _parse_get(await self._send("GET", url, **kw), route_id)
+        resp = await self._send("GET", url, **kw)
+        return await asyncio.to_thread(_parse_get, resp, route_id)
 
     async def get_many(
         self,
@@ -223,7 +241,9 @@ class AsyncRoutesClient:
         read = _BatchRead(route_ids, start)
         while (req := read.next_request()) is not None:
             read.add(await self._send("POST", "/v1/routes:batch", **req))
-        return read.results(missing_ok, return_exceptions)
+        # Decoding a training step's records takes a large fraction of a second: never on
+        # the event loop, which serves the caller's other tasks meanwhile.
+        return await asyncio.to_thread(read.results, missing_ok, return_exceptions, self._decoder)
 
     async def delete(self, route_id: str) -> bool:
         """See :meth:`RoutesClient.delete`."""
@@ -232,6 +252,7 @@ class AsyncRoutesClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        self._decoder.close()
 
     async def __aenter__(self) -> AsyncRoutesClient:
         return self

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -423,18 +424,24 @@ def plan_read(
     return plan
 
 
-def finish_read(plan: ReadPlan, chunk_blobs: Mapping[bytes, bytes | None]) -> list[ReadResult]:
+def finish_read(
+    plan: ReadPlan,
+    chunk_blobs: Mapping[bytes, bytes | None],
+    pool: Executor | None = None,
+    parts: int = 1,
+) -> list[ReadResult]:
     """The records of ``plan`` from their chunks' bytes (digest -> bytes, None: gone).
 
-    Each distinct chunk is decoded and checked against its address once. A result is the record,
-    None (no manifest), or the error that id alone hit: :class:`RouteEvictedError` (a chunk is
-    gone), :class:`RouteCorruptError` (bytes fail a check), :class:`RouteShapeError` (``start``
-    out of range). One bad record never fails the others. Decoded on the caller's thread
-    (:class:`ChunkDecoder` with a pool is the store's pipelined path).
+    Each distinct chunk is decoded and checked against its address once, on ``pool`` in
+    ``parts`` tasks (or the caller's thread). A result is the record, None (no manifest), or the
+    error that id alone hit: :class:`RouteEvictedError` (a chunk is gone),
+    :class:`RouteCorruptError` (bytes fail a check), :class:`RouteShapeError` (``start`` out of
+    range). One bad record never fails the others.
     """
-    dec = ChunkDecoder()
+    dec = ChunkDecoder(pool, parts)
     digests = plan.digests()
     dec.add(digests, [chunk_blobs.get(d) for d in digests])
+    dec.wait()
     return assemble_read(plan, dec)
 
 

@@ -295,6 +295,7 @@ class RouteRecord:
             raise RouteShapeError(
                 f"routed_experts holds expert id {int(bad)}, outside [0, {num_experts})"
             )
+        _check_distinct(routed)
         experts = np.zeros((T, len(moe), arr.shape[2]), dtype=dt)
         experts[row_start : row_start + R] = routed
         valid = np.zeros(T, dtype=bool)
@@ -384,3 +385,19 @@ class RouteRecord:
             f"E={self.num_experts}, prompt_len={self.prompt_len}, "
             f"valid={int(self.valid.sum())}/{self.num_tokens}, model={self.model!r})"
         )
+
+
+def _check_distinct(routed: np.ndarray) -> None:
+    """Every engine row picks ``K`` different experts: a repeated id is a capture that went
+    wrong (zeros, a shifted layout), never a router's choice, and replayed it would collapse in
+    the routing map."""
+    K = routed.shape[-1]
+    for i in range(K):
+        for j in range(i + 1, K):
+            same = routed[..., i] == routed[..., j]
+            if same.any():
+                r, m = (int(x[0]) for x in np.nonzero(same))
+                raise RouteShapeError(
+                    f"routed_experts row {r}, MoE layer {m}: expert {int(routed[r, m, i])} twice "
+                    f"(slots {i} and {j}); a router picks {K} different experts"
+                )

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import threading
 from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Self
@@ -44,7 +42,7 @@ from ._layout import (
     plan_read,
 )
 from ._record import RouteRecord
-from ._threads import default_decode_threads
+from ._threads import DecodePool, default_decode_threads
 
 __all__ = ["MIN_REDIS_VERSION", "AsyncRouteStore", "RouteStore", "redis_versions"]
 
@@ -303,31 +301,26 @@ class _Common:
         self.ttl_s = ttl_s
         self.block_size = block_size
         self.decode_threads = decode_threads or default_decode_threads()
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_pid = 0
-        self._pool_lock = threading.Lock()
+        self._decoder = DecodePool(self.decode_threads)
         self._where = where or repr(client)
         # Set by the first successful server check (check_server, or the first operation).
         self.server_versions: list[str] | None = None
+        self._closed = False
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Every Redis call: refused once the store is closed (redis-py would silently open
+        new connections), redis-py's errors as the store's."""
+        if self._closed:
+            raise RouteStoreError(f"redis {self._where}: the store is closed")
+        with _redis_errors(self._where):
+            yield
 
     def _decode_pool(self) -> ThreadPoolExecutor | None:
-        if self.decode_threads < 2:
-            return None
-        with self._pool_lock:  # created on first read: a writer never starts these threads
-            # A forked child (a DataLoader worker, say) inherits the pool object but none of its
-            # threads: work submitted there would never run, so the child makes its own.
-            if self._pool is None or self._pool_pid != os.getpid():
-                self._pool = ThreadPoolExecutor(
-                    self.decode_threads, thread_name_prefix="routereplay-decode"
-                )
-                self._pool_pid = os.getpid()
-            return self._pool
+        return self._decoder.get()
 
     def _close_pool(self) -> None:
-        with self._pool_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False)
+        self._decoder.close()
 
     # (standalone client class, cluster client class): redis-py's sync or asyncio ones.
     _clients: tuple[type, type]
@@ -456,7 +449,7 @@ class RouteStore(_Common):
         :class:`UnsupportedRedisError` for one older than ``MIN_REDIS_VERSION``. Runs by itself
         before the store's first operation."""
         try:
-            with _redis_errors(self._where):
+            with self._guard():
                 info = self.redis.info("server", **self._all_nodes)
         except RouteStoreError as e:
             if not isinstance(e.__cause__, redis.exceptions.NoPermissionError):
@@ -470,7 +463,7 @@ class RouteStore(_Common):
     def _run(self, op: Op) -> Any:
         if self.server_versions is None:
             self.check_server()
-        with _redis_errors(self._where):
+        with self._guard():
             try:
                 batch = next(op)
                 while True:
@@ -479,10 +472,13 @@ class RouteStore(_Common):
                 return done.value
 
     def ping(self) -> bool:
-        with _redis_errors(self._where):
+        with self._guard():
             return bool(self.redis.ping())
 
     def close(self) -> None:
+        """Close the connections and the decode threads; every later call raises
+        :class:`RouteStoreError`. Closing twice is harmless."""
+        self._closed = True
         self._close_pool()
         self.redis.close()
 
@@ -542,12 +538,12 @@ class RouteStore(_Common):
         return self._run(self._raw_op(route_ids, start, max_bytes))
 
     def exists(self, route_id: str) -> bool:
-        with _redis_errors(self._where):
+        with self._guard():
             return bool(self.redis.exists(self._manifest_key(route_id)))
 
     def delete(self, route_id: str) -> bool:
         """Delete the manifest; shared chunks stay until their TTL (other records may use them)."""
-        with _redis_errors(self._where):
+        with self._guard():
             return bool(self.redis.delete(self._manifest_key(route_id)))
 
     def fill_from_prefix_index(self, record: RouteRecord) -> tuple[RouteRecord, int]:
@@ -571,7 +567,7 @@ class AsyncRouteStore(_Common):
     async def check_server(self) -> list[str]:
         """See :meth:`RouteStore.check_server`."""
         try:
-            with _redis_errors(self._where):
+            with self._guard():
                 info = await self.redis.info("server", **self._all_nodes)
         except RouteStoreError as e:
             if not isinstance(e.__cause__, redis.exceptions.NoPermissionError):
@@ -594,7 +590,7 @@ class AsyncRouteStore(_Common):
 
         if self.server_versions is None:
             await self.check_server()
-        with _redis_errors(self._where):
+        with self._guard():
             value: Any = None
             while True:
                 done, out = await asyncio.to_thread(advance, value) if big else advance(value)
@@ -603,26 +599,26 @@ class AsyncRouteStore(_Common):
                 value = await self._pipe(out).execute() if out else []
 
     async def ping(self) -> bool:
-        with _redis_errors(self._where):
+        with self._guard():
             return bool(await self.redis.ping())
 
     async def claim(self, name: str, token: str, ttl_s: float) -> bool:
         """Take the lease on ``name`` for ``ttl_s`` unless another holder has it (``SET NX PX``):
         the same name claimed through any replica sharing this Redis is refused."""
-        with _redis_errors(self._where):
+        with self._guard():
             key = self.keys.claim(name)
             return bool(await self.redis.set(key, token, nx=True, px=int(ttl_s * 1000)))
 
     async def release(self, name: str, token: str) -> bool:
         """Give the lease back if ``token`` still holds it (a lapsed lease another writer took
         is left alone)."""
-        with _redis_errors(self._where):
+        with self._guard():
             return bool(await self.redis.eval(_RELEASE, 1, self.keys.claim(name), token))
 
     async def renew(self, name: str, token: str, ttl_s: float) -> bool:
         """Extend the lease on ``name`` to ``ttl_s`` from now if ``token`` still holds it; False
         when it lapsed (and maybe went to another holder)."""
-        with _redis_errors(self._where):
+        with self._guard():
             key = self.keys.claim(name)
             return bool(await self.redis.eval(_RENEW, 1, key, token, int(ttl_s * 1000)))
 
@@ -631,16 +627,18 @@ class AsyncRouteStore(_Common):
         keys = [self._manifest_key(r) for r in route_ids]
         if not keys:
             return 0
-        with _redis_errors(self._where):
+        with self._guard():
             return sum(await self._pipe([_cmd("delete", k) for k in keys]).execute())
 
     async def check_writable(self) -> None:
         """Raise unless Redis takes a write now (a 10 s scratch key): PING answers while
         ``maxmemory`` refuses every write, or a replica is read-only."""
-        with _redis_errors(self._where):
+        with self._guard():
             await self.redis.set(self.keys.probe(), b"1", px=10_000)
 
     async def close(self) -> None:
+        """See :meth:`RouteStore.close`."""
+        self._closed = True
         self._close_pool()
         await self.redis.aclose()
 
@@ -692,11 +690,11 @@ class AsyncRouteStore(_Common):
         return await self._run(self._raw_op(route_ids, start, max_bytes))
 
     async def exists(self, route_id: str) -> bool:
-        with _redis_errors(self._where):
+        with self._guard():
             return bool(await self.redis.exists(self._manifest_key(route_id)))
 
     async def delete(self, route_id: str) -> bool:
-        with _redis_errors(self._where):
+        with self._guard():
             return bool(await self.redis.delete(self._manifest_key(route_id)))
 
     async def fill_from_prefix_index(self, record: RouteRecord) -> tuple[RouteRecord, int]:

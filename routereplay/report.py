@@ -31,8 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.client import RouteRecord
-from routereplay.service.routing_stats import expert_counts, load_figures
+from routereplay.client import RouteRecord, expert_counts, load_figures
 
 __all__ = ["Usage", "figures", "main", "render", "usage_by_version"]
 

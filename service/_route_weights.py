@@ -8,7 +8,8 @@ in the router's slot order, so slot ``k`` of a weight belongs to slot ``k`` of a
 downstream in vLLM (step snapshots, the prefix-cache block store, engine outputs) is generic over
 the row shape and dtype, so cached-prefix rows carry their weights too.
 
-Patch points (vLLM 0.32.0, checked by :func:`check_supported` before the engine starts):
+Patch points (vLLM 0.32.0; :func:`check_supported` compares each one's source with the one the
+patch was written against before the engine starts):
 
 - ``BaseRouter._select_experts`` hands ``topk_weights`` to the capture callback with the ids;
 - ``RoutedExpertsCapturer.__init__`` / ``capture`` / ``snapshot_routing_data`` hold the wide row;
@@ -23,6 +24,7 @@ runs untouched.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import os
 from functools import partial
@@ -43,10 +45,23 @@ __all__ = [
 # Outside the ROUTEREPLAY_ namespace: those variables are the service's settings (the user's
 # ROUTEREPLAY_ROUTE_WEIGHTS=request is --route-weights), which this internal flag must not touch.
 ENV = "RR_CAPTURE_ROUTE_WEIGHTS"
-SUPPORTED_VLLM = ("0.32.0",)
-# The one line of BaseRouter._select_experts this extension replaces: its shape is checked so a
-# vLLM that moved the capture (or dropped it) is refused instead of silently capturing nothing.
-_CAPTURE_CALL = "self.capture_fn(topk_ids)"
+# sha256 (first 16 hex digits) of the source of each vLLM function this extension replaces or
+# wraps, as in vLLM 0.32.0 (the CPU and CUDA wheels alike). Any other source is refused: a vLLM
+# that changed one of them might route, capture or bind differently from what the patch assumes.
+KNOWN_SOURCES = {
+    "BaseRouter._select_experts": "72be73a361f8d723",
+    "RoutedExpertsCapturer.__init__": "b7eb06724f882c2b",
+    "RoutedExpertsCapturer.capture": "1d7c389ce43821b4",
+    "RoutedExpertsCapturer.snapshot_routing_data": "18f44cd391ac7455",
+    "bind_routed_experts_capturer": "16f8f68f9d2aecae",
+}
+_NEEDED = (
+    "vllm.model_executor.layers.fused_moe.router.base_router.BaseRouter",
+    "vllm.model_executor.layers.fused_moe.routed_experts_capturer.RoutedExpertsCapturer",
+    "vllm.model_executor.layers.fused_moe.routed_experts_capturer.RoutedExpertsCaptureSource",
+    "vllm.distributed.aux_output_connector.worker.bind_routed_experts_capturer",
+    "vllm.v1.worker.worker_base.WorkerWrapperBase",
+)
 # The router's weight dtype seen by this worker (None until the first routed forward).
 _weights_dtype: str | None = None
 
@@ -86,43 +101,48 @@ def _symbols() -> dict[str, Any]:
     return found
 
 
-def check_supported() -> None:
-    """Raise :class:`RouteWeightsUnsupported` naming the vLLM version and the first symbol
-    that is missing or changed; return quietly on a vLLM this extension knows."""
-    version = _vllm_version()
-    base = version.split("+")[0]
-    if base not in SUPPORTED_VLLM:
-        raise RouteWeightsUnsupported(
-            f"--route-weights: vLLM {version} is not a version the routing-weight capture "
-            f"was checked against ({', '.join(SUPPORTED_VLLM)}); serve without --route-weights"
-        )
-    syms = _symbols()
-    need = {
-        "vllm.model_executor.layers.fused_moe.router.base_router.BaseRouter": (
-            "_select_experts", "_compute_routing", "_validate_eplb_state",
-            "_apply_eplb_mapping", "_convert_indices_dtype",
-        ),
-        "vllm.model_executor.layers.fused_moe.routed_experts_capturer.RoutedExpertsCapturer": (
-            "__init__", "capture", "snapshot_routing_data",
-        ),
-        "vllm.model_executor.layers.fused_moe.routed_experts_capturer."
-        "RoutedExpertsCaptureSource": (),
-        "vllm.distributed.aux_output_connector.worker.bind_routed_experts_capturer": (),
-        "vllm.v1.worker.worker_base.WorkerWrapperBase": (),
-    }  # fmt: skip
-    for name, attrs in need.items():
-        obj = syms.get(name)
-        if obj is None:
-            raise RouteWeightsUnsupported(f"--route-weights: vLLM {version} has no {name}")
-        for a in attrs:
-            if not hasattr(obj, a):
-                raise RouteWeightsUnsupported(f"--route-weights: vLLM {version} has no {name}.{a}")
+def _source_digest(obj: Any) -> str:
+    return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
+
+
+def _patched(syms: dict[str, Any]) -> dict[str, Any]:
+    """The functions this extension replaces or wraps, by name."""
     router = syms["vllm.model_executor.layers.fused_moe.router.base_router.BaseRouter"]
-    if not getattr(router._select_experts, "_routereplay", False):
-        if _CAPTURE_CALL not in inspect.getsource(router._select_experts):
+    capturer = syms[
+        "vllm.model_executor.layers.fused_moe.routed_experts_capturer.RoutedExpertsCapturer"
+    ]
+    return {
+        "BaseRouter._select_experts": router._select_experts,
+        "RoutedExpertsCapturer.__init__": capturer.__init__,
+        "RoutedExpertsCapturer.capture": capturer.capture,
+        "RoutedExpertsCapturer.snapshot_routing_data": capturer.snapshot_routing_data,
+        "bind_routed_experts_capturer": syms[
+            "vllm.distributed.aux_output_connector.worker.bind_routed_experts_capturer"
+        ],
+    }
+
+
+def check_supported() -> None:
+    """Raise :class:`RouteWeightsUnsupported` naming the vLLM version and the first function
+    this extension replaces whose source is not the one it was written against (or a symbol
+    that is missing); return quietly when every source matches :data:`KNOWN_SOURCES`."""
+    if installed():
+        return  # patched in this process, after this check passed
+    version = _vllm_version()
+    syms = _symbols()
+    for name in _NEEDED:
+        if name not in syms:
+            raise RouteWeightsUnsupported(f"--route-weights: vLLM {version} has no {name}")
+    for name, fn in _patched(syms).items():
+        try:
+            digest = _source_digest(fn)
+        except (OSError, TypeError):  # no source to read (a compiled or stripped vLLM)
+            digest = "unreadable"
+        if digest != KNOWN_SOURCES[name]:
             raise RouteWeightsUnsupported(
-                f"--route-weights: vLLM {version}'s BaseRouter._select_experts no longer calls "
-                f"{_CAPTURE_CALL!r}; the routing-weight capture does not know this vLLM"
+                f"--route-weights: vLLM {version}'s {name} is not the code the routing-weight "
+                f"capture replaces (source sha256 {digest}, expected {KNOWN_SOURCES[name]}); "
+                "serve without --route-weights"
             )
 
 

@@ -31,7 +31,8 @@ ALLOWED = {
     "service": {"client", "local_redis"},
     "trainer_adapter": {"client"},
     "bench": {"client", "service", "trainer_adapter", "local_redis"},
-    "report": {"client", "service"},
+    # report runs with only its extra (matplotlib) beside the client: no service, no Prometheus
+    "report": {"client"},
     "experiments": {"client", "service", "trainer_adapter", "local_redis", "bench", "report"},
     "cli": {"client", "service", "trainer_adapter", "local_redis", "bench", "experiments"},
 }

@@ -506,6 +506,11 @@ class RouterReplayer:
         dev = self.device
         want = tuple(s.layer for s in slots)
         if isinstance(targets, ReplayTargets):
+            if targets.order != "sequence":
+                raise TargetShapeError(
+                    f"targets are in {targets.order}-major row order; Megatron-Core's routers "
+                    "see the rows sequence-major: gather_targets(..., order='sequence')"
+                )
             if targets.num_experts != self.slots[0].num_experts:
                 raise RouteLayerMismatchError(
                     f"targets are for {targets.num_experts} experts, the model has "

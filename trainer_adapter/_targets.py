@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -53,6 +53,11 @@ def filler_experts(
     return ((p * top_k + np.arange(top_k, dtype=np.int64)) % num_experts).astype(dt)
 
 
+# The order of a micro-batch's rows in targets: Megatron's routers see [S, B] flattened
+# (sequence-major), transformers' [B, S] (batch-major).
+RowOrder = Literal["sequence", "batch"]
+
+
 @dataclass(frozen=True)
 class ReplayTargets:
     """Replay targets of one micro-batch on one rank.
@@ -75,6 +80,11 @@ class ReplayTargets:
         weights: ``[M, N, K]`` float32, the engine's routing (combine) weights, slot ``k``
             belonging to expert ``experts[..., k]``; 0 at filler rows
             (``gather_targets(..., weights=True)``); None when not gathered.
+        batch_shape: ``(B, S)`` of the micro-batch the rows come from (``B * S = N``); None
+            when unknown (targets built by hand).
+        order: the order of the ``N`` rows: ``"sequence"`` (``s * B + b``: Megatron's router,
+            which flattens ``[S, B]``) or ``"batch"`` (``b * S + s``: a transformers router,
+            which flattens ``[B, S]``).
     """
 
     layers: tuple[int, ...]
@@ -85,8 +95,18 @@ class ReplayTargets:
     pinned: torch.Tensor | None = field(default=None, repr=False, compare=False)
     replay_mask: np.ndarray | None = None
     weights: np.ndarray | None = None
+    batch_shape: tuple[int, int] | None = None
+    order: RowOrder = "sequence"
 
     def __post_init__(self) -> None:
+        if self.order not in ("sequence", "batch"):
+            raise ValueError(f"order must be 'sequence' or 'batch', not {self.order!r}")
+        bs = self.batch_shape
+        if bs is not None and bs[0] * bs[1] != self.experts.shape[1]:
+            raise TargetShapeError(
+                f"batch_shape {tuple(bs)} is {bs[0] * bs[1]} rows, the targets have "
+                f"{self.experts.shape[1]}"
+            )
         if self.experts.ndim != 3 or self.experts.shape[0] != len(self.layers):
             raise TargetShapeError(
                 f"experts must be [M={len(self.layers)}, N, K], got {self.experts.shape}"
@@ -144,6 +164,8 @@ class ReplayTargets:
             self.valid,
             replay_mask=self.replay_mask,
             weights=None if self.weights is None else self.weights[idx],
+            batch_shape=self.batch_shape,
+            order=self.order,
         )
 
     def replayed_rows(self) -> np.ndarray:
@@ -340,6 +362,7 @@ def gather_targets(
     buffers: TargetBuffers | None = None,
     own_routing: Collection[int] = (),
     weights: bool = False,
+    order: RowOrder = "sequence",
 ) -> ReplayTargets:
     """Copy each mapped position's expert rows out of ``records`` for the MoE ``layers``.
 
@@ -369,9 +392,12 @@ def gather_targets(
         weights: also copy the records' engine routing weights (:attr:`ReplayTargets.weights`,
             the same rows as the ids; 0 at fillers). A used record without them raises
             :class:`MissingWeightsError` naming its route.
+        order: the row order to write: ``"sequence"`` (``s * B + b``, what Megatron-Core's
+            routers see) or ``"batch"`` (``b * S + s``, what a transformers router sees);
+            written once, never re-ordered afterwards.
 
     Returns:
-        :class:`ReplayTargets` with ``[M, B*S, K]`` rows in sequence-major order (``s * B + b``),
+        :class:`ReplayTargets` with ``[M, B*S, K]`` rows in ``order``, ``batch_shape = (B, S)``,
         fillers at no-route positions, at the records' invalid rows and at missing records.
 
     Copies are memcpy runs: consecutive positions reading consecutive rows of one record are one
@@ -470,7 +496,10 @@ def gather_targets(
         # Own-routing rows keep the router's probabilities: their records need no weights.
         rows = valid if replay is None else valid & replay
         w_out = _gather_weights(pmap, records, used, layers, top_k, rows)
-    if B > 1:  # [M, B, S, K] -> [M, S, B, K]: Megatron's router flattens [S, B] sequence-major
+    if order not in ("sequence", "batch"):
+        raise ValueError(f"order must be 'sequence' or 'batch', not {order!r}")
+    if B > 1 and order == "sequence":
+        # [M, B, S, K] -> [M, S, B, K]: Megatron's router flattens [S, B] sequence-major
         by_seq = out.reshape(M, B, S, top_k).transpose(0, 2, 1, 3)
         pinned = _empty(M * N * top_k, dt, pin_memory)
         # Into a second buffer (from the pool, the scratch's going back to it with ``by_seq``).
@@ -486,8 +515,9 @@ def gather_targets(
     if pinned is not None:
         pinned = pinned.view(M, N, top_k)
     return ReplayTargets(
-        layers, out, num_experts, int(fill_idx.size), valid, pinned, replay, weights=w_out
-    )
+        layers, out, num_experts, int(fill_idx.size), valid, pinned, replay, weights=w_out,
+        batch_shape=(B, S), order=order,
+    )  # fmt: skip
 
 
 def _gather_weights(

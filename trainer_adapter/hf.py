@@ -18,8 +18,8 @@ for bit), so a transformers release whose router computes differently is refused
 wrongly.
 
     replayer = HFRouterReplayer(model)                 # after from_pretrained, before or after
-    targets = gather_targets(pmap, records, replayer.layers)   # fully_shard
-    with replayer.micro_batch(targets, batch_size=B):  # the backward inside: recompute replays
+    targets = gather_targets(pmap, records, replayer.layers, order="batch")   # fully_shard
+    with replayer.micro_batch(targets):  # the backward inside: recompute replays
         loss = model(input_ids, ...).loss
         loss.backward()
 """
@@ -174,6 +174,12 @@ class _Installed:
     engine: torch.Tensor | None  # [N, K] float32 engine weights (weights="engine")
     calls: int = 0
 
+    def move_to(self, device: torch.device) -> None:
+        self.experts = self.experts.to(device)
+        self.replay = self.replay.to(device)
+        if self.engine is not None:
+            self.engine = self.engine.to(device)
+
 
 class HFRouterReplayer:
     """Replays stored routes into a transformers MoE model's routers.
@@ -218,10 +224,17 @@ class HFRouterReplayer:
         return tuple(r.layer for r in self.routers)
 
     @contextmanager
-    def micro_batch(self, targets: ReplayTargets, *, batch_size: int = 1) -> Iterator[None]:
+    def micro_batch(
+        self, targets: ReplayTargets, *, batch_size: int | None = None
+    ) -> Iterator[None]:
         """Replay ``targets`` (:func:`gather_targets` of this micro-batch's ``[B, S]`` position
-        map, ``batch_size = B``) in every router call inside the block: the forward, and the
-        recompute of activation checkpointing when the backward runs inside it too."""
+        map) in every router call inside the block: the forward, and the recompute of activation
+        checkpointing when the backward runs inside it too.
+
+        The row order comes from the targets (:attr:`ReplayTargets.batch_shape`, ``order``):
+        ``gather_targets(..., order="batch")`` writes the rows as a transformers router sees
+        them. ``batch_size`` is needed only for targets that carry no batch shape (built by
+        hand); given with targets that do, it must be their ``B``."""
         if self._installed is not None:
             raise ReplayConfigError("micro_batch blocks do not nest")
         self._installed = self._install(targets, batch_size)
@@ -239,7 +252,25 @@ class HFRouterReplayer:
                 "routing"
             )
 
-    def _install(self, targets: ReplayTargets, batch_size: int) -> dict[int, _Installed]:
+    @staticmethod
+    def _sequence_batch(targets: ReplayTargets, batch_size: int | None) -> int:
+        """How many sequences interleave in sequence-major rows (1 when already batch-major)."""
+        shape = targets.batch_shape
+        if shape is None:
+            if batch_size is None:
+                raise ReplayConfigError(
+                    "these targets carry no batch shape (built by hand): pass "
+                    "micro_batch(targets, batch_size=B), or gather them with gather_targets"
+                )
+            return batch_size
+        if batch_size is not None and batch_size != shape[0]:
+            raise TargetShapeError(
+                f"batch_size={batch_size}, but the targets were gathered for a [B={shape[0]}, "
+                f"S={shape[1]}] batch"
+            )
+        return 1 if targets.order == "batch" else shape[0]
+
+    def _install(self, targets: ReplayTargets, batch_size: int | None) -> dict[int, _Installed]:
         if not isinstance(targets, ReplayTargets):
             raise ReplayConfigError(
                 f"micro_batch takes ReplayTargets, not {type(targets).__name__}"
@@ -249,11 +280,12 @@ class HFRouterReplayer:
                 f"targets are for MoE layers {list(targets.layers)}, the model's routers are at "
                 f"{list(self.layers)}"
             )
+        B = self._sequence_batch(targets, batch_size)
         engine = None
         if self.weights == "engine":
-            engine = _batch_major(targets.engine_weights(), batch_size, 1)
-        experts = _batch_major(targets.experts, batch_size, 1)
-        replay = _batch_major(targets.replayed_rows(), batch_size, 0)
+            engine = _batch_major(targets.engine_weights(), B, 1)
+        experts = _batch_major(targets.experts, B, 1)
+        replay = _batch_major(targets.replayed_rows(), B, 0)
         out: dict[int, _Installed] = {}
         for k, r in enumerate(self.routers):
             dev = r.module.weight.device
@@ -287,6 +319,10 @@ class HFRouterReplayer:
                 f"layer {r.layer}: the router sees {logits.shape[0]} rows, the targets have "
                 f"{t.experts.shape[0]} (batch_size must be the batch's B)"
             )
+        if t.experts.device != logits.device:
+            # The router's weight lives elsewhere than its activations (FSDP2 CPU offload):
+            # the targets follow the activations, once per micro-batch.
+            t.move_to(logits.device)
         t.calls += 1
         if r.layer not in self._checked:
             self._check_weight_fn(r, logits, own_w, own_idx)

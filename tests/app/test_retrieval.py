@@ -1,5 +1,6 @@
 """The retrieval API and the client library against it: binary and JSON records, ``start``,
-batches with missing ids, deletes, ``RoutesClient`` and ``AsyncRoutesClient``."""
+batches with missing ids, deletes, ``RoutesClient`` and ``AsyncRoutesClient`` (decoding off the
+event loop; a server that defers ids never asked)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from routereplay.client import (
     BATCH_MEDIA_TYPE,
     AsyncRoutesClient,
     RawBatch,
+    RouteCorruptError,
     RouteNotFoundError,
     RoutesClient,
     RouteServiceError,
@@ -175,3 +177,46 @@ async def test_corrupt_routes_are_reported_per_id(stored: App) -> None:
         assert got[0].token_ids[0] == ord("r") and got[2].token_ids[0] == ord("s")
         with pytest.raises(RouteCorruptError, match="retrieval-1-1"):
             await rc.get_many(ids)
+
+
+async def test_async_client_decodes_off_the_event_loop(stored: App, monkeypatch) -> None:
+    # A training step's records take a large fraction of a second to decode: the event loop
+    # that awaits them serves the caller's other tasks meanwhile, so no chunk is decoded on it.
+    import threading
+
+    from routereplay.client import _chunks
+
+    loop_thread = threading.get_ident()
+    threads: set[int] = set()
+    real_add = _chunks.ChunkDecoder.add
+
+    def add(self, digests, blobs):  # a spy around the real decoder
+        threads.add(threading.get_ident())
+        return real_add(self, digests, blobs)
+
+    monkeypatch.setattr(_chunks.ChunkDecoder, "add", add)
+    direct = decode_record((await stored.http.get("/v1/routes/retrieval-1-0")).content)
+    for n in (1, 4):
+        async with AsyncRoutesClient(
+            "http://testserver", transport=httpx.ASGITransport(app=stored.app), decode_threads=n
+        ) as rc:
+            got = await rc.get_many(["retrieval-1-0", "retrieval-1-1"])
+            assert got[0] == direct and (await rc.get("retrieval-1-0")) == direct
+    assert threads and loop_thread not in threads
+
+
+async def test_a_server_deferring_ids_never_asked_cannot_loop_the_client() -> None:
+    # A hostile or broken service answers every batch by deferring ids the client never asked
+    # for (and one it did): only asked ids count, so the client stops with an error at once.
+    calls = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        body = RawBatch(deferred=["a-0", *(f"never-{calls}-{i}" for i in range(50))]).pack()
+        return httpx.Response(200, content=body, headers={"content-type": BATCH_MEDIA_TYPE})
+
+    async with AsyncRoutesClient("http://x", transport=httpx.MockTransport(handler)) as rc:
+        with pytest.raises(RouteCorruptError, match="no progress"):
+            await rc.get_many(["a-0"])
+    assert calls == 1

@@ -217,6 +217,16 @@ def test_from_engine_refuses_ids_that_do_not_fit() -> None:
         )
 
 
+def test_from_engine_refuses_a_row_with_a_repeated_expert() -> None:
+    # A router picks K different experts; a repeated id is a capture gone wrong (zero rows, a
+    # shifted layout) and would collapse in the trainer's routing map.
+    arr = np.tile(np.array([3, 5], np.uint8), (4, 2, 1))
+    RouteRecord.from_engine(arr, np.arange(5), prompt_len=2, num_experts=8, moe_layers=[0, 1])
+    arr[2, 1] = [6, 6]
+    with pytest.raises(RouteShapeError, match=r"row 2, MoE layer 1: expert 6 twice"):
+        RouteRecord.from_engine(arr, np.arange(5), prompt_len=2, num_experts=8, moe_layers=[0, 1])
+
+
 def test_crafted_payloads_with_valid_checksums_are_corrupt_errors() -> None:
     blob = encode_record(_record())
     base = msgpack.unpackb(blob[16:], raw=False)
@@ -231,7 +241,7 @@ def test_crafted_payloads_with_valid_checksums_are_corrupt_errors() -> None:
 def test_from_engine_drops_dense_layers_by_global_index_and_marks_last_row() -> None:
     T, L, K = 6, 4, 2
     rng = np.random.default_rng(3)
-    arr = rng.integers(1, 8, (T - 1, L, K)).astype(np.uint8)
+    arr = (np.argsort(rng.random((T - 1, L, 7)), axis=-1)[..., :K] + 1).astype(np.uint8)
     arr[:, 0] = 0  # vLLM returns dense layers as zero rows
     rec = RouteRecord.from_engine(
         arr, np.arange(T), prompt_len=3, num_experts=8, moe_layers=[1, 2, 3]

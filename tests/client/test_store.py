@@ -18,6 +18,7 @@ from routereplay.client import (
     RouteRecord,
     RouteShapeError,
     RouteStore,
+    RouteStoreError,
 )
 
 E, K, L = 16, 2, 4
@@ -456,7 +457,7 @@ def test_reads_in_batches_on_decode_threads_give_the_same_results(
     got = s.get_many(ids, return_exceptions=True, missing_ok=True)
     got_tail = s.get_many(ids, start=22, return_exceptions=True, missing_ok=True)
     if threads > 1:
-        assert s._pool is not None  # the pool really ran
+        assert s._decoder._pool is not None  # the pool really ran
     monkeypatch.setattr(_store, "_GET_BATCH", 1 << 20)  # the reference: one batch
     monkeypatch.setattr(_store, "_FIRST_GET_BATCH", 1 << 20)
     ref = closing(RouteStore.from_url(redis_url, prefix=p, block_size=4, decode_threads=1))
@@ -468,7 +469,7 @@ def test_reads_in_batches_on_decode_threads_give_the_same_results(
     assert [got[i] == recs[i] for i in (0, 1, 2, 4, 5, 7, 8)] == [True] * 7
     assert got_tail[8].num_tokens == recs[8].num_tokens - 22
     s.close()
-    assert s._pool is None
+    assert s._decoder._pool is None
     with pytest.raises(ValueError, match="decode_threads must be >= 1"):
         RouteStore.from_url(redis_url, decode_threads=0)
 
@@ -507,7 +508,7 @@ def test_a_forked_child_reads_with_its_own_decode_threads(closing, redis_url: st
     recs = [make_record(np.arange(30) + 1000 * i, 2) for i in range(3)]
     for i, r in enumerate(recs):
         s.put(f"f{i}", r)
-    assert s.get_many(["f0", "f1", "f2"]) == recs and s._pool is not None
+    assert s.get_many(["f0", "f1", "f2"]) == recs and s._decoder._pool is not None
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     child = ctx.Process(target=_read_in_child, args=(s, q))
@@ -544,3 +545,30 @@ def test_manifest_scan_finds_exactly_the_manifests(closing, redis_url: str) -> N
         assert keys.route_id(keys.manifest("x-0")) == "x-0"
         with pytest.raises(ValueError, match="not a manifest key"):
             keys.route_id(keys.claim("a"))
+
+
+def test_a_closed_store_raises_instead_of_reopening(redis_url: str) -> None:
+    # redis-py opens new connections for a closed client's next command: a store used after
+    # close() would silently reconnect (and restart its decode threads). It raises instead.
+    import asyncio
+
+    rec = make_record(np.arange(20), 0)
+    store = RouteStore.from_url(redis_url, prefix=f"closed-{uuid.uuid4().hex}")
+    store.put("r-0", rec)
+    store.close()
+    store.close()  # twice is harmless
+    for call in (lambda: store.get("r-0"), lambda: store.put("r-1", rec), store.ping,
+                 lambda: store.exists("r-0"), store.check_server):  # fmt: skip
+        with pytest.raises(RouteStoreError, match="the store is closed"):
+            call()
+
+    async def main() -> None:
+        st = AsyncRouteStore.from_url(redis_url, prefix=f"closed-{uuid.uuid4().hex}")
+        await st.put("r-0", rec)
+        await st.close()
+        with pytest.raises(RouteStoreError, match="the store is closed"):
+            await st.get("r-0")
+        with pytest.raises(RouteStoreError, match="the store is closed"):
+            await st.ping()
+
+    asyncio.run(main())

@@ -130,14 +130,20 @@ def test_off_keeps_the_request_path(weights_service: Service, with_weights: dict
     assert arr.dtype == np.uint8 and arr.shape == (len(PROMPT) + 5, 4, 2)
 
 
-def test_unknown_vllm_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    import vllm
+def test_changed_vllm_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard compares the source of each function the capture replaces, not a version
+    string: a vLLM whose router selects experts differently is refused, naming the function."""
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
     from routereplay.service._route_weights import RouteWeightsUnsupported, check_supported
 
-    check_supported()  # the installed vLLM is known
-    monkeypatch.setattr(vllm, "__version__", "9.9.9")
-    with pytest.raises(RouteWeightsUnsupported, match=r"vLLM 9\.9\.9"):
+    check_supported()  # the installed vLLM is the known one
+
+    def _select_experts(self, hidden_states, router_logits, topk_indices_dtype=None, **kw):
+        return self._compute_routing(hidden_states, router_logits, topk_indices_dtype)
+
+    monkeypatch.setattr(BaseRouter, "_select_experts", _select_experts)
+    with pytest.raises(RouteWeightsUnsupported, match=r"BaseRouter\._select_experts is not the"):
         check_supported()
 
 

@@ -7,6 +7,7 @@ micro_batch, a forward that skips the routers) is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -99,7 +100,8 @@ def _targets(model: Any, n: int, rng: np.random.Generator, weights: bool = False
     E, K = routers[0].num_experts, routers[0].top_k
     ex = np.stack([[rng.permutation(E)[:K] for _ in range(n)] for _ in routers]).astype(np.uint8)
     w = rng.random(ex.shape).astype(np.float32) if weights else None
-    return ReplayTargets(tuple(r.layer for r in routers), ex, E, weights=w)
+    # One sequence of n tokens: a [1, n] batch.
+    return ReplayTargets(tuple(r.layer for r in routers), ex, E, weights=w, batch_shape=(1, n))
 
 
 def _record(rng: np.random.Generator, layers: tuple[int, ...], T: int, **kw: Any) -> Any:
@@ -221,7 +223,8 @@ def test_rows_without_a_route_keep_the_routers_choice() -> None:
     t = _targets(model, 10, np.random.default_rng(6))
     valid = np.array([True] * 6 + [False] * 4)
     t = ReplayTargets(t.layers, t.experts, t.num_experts, valid=valid,
-                      replay_mask=np.array([True, False] + [True] * 8))  # fmt: skip
+                      replay_mask=np.array([True, False] + [True] * 8),
+                      batch_shape=(1, 10))  # fmt: skip
     own: dict[int, torch.Tensor] = {}
     for r in find_hf_routers(model):
         r.module.register_forward_hook(
@@ -309,39 +312,70 @@ def test_torch_compile_replays(backend: str) -> None:
             assert np.array_equal(seen[layer][-1][0].numpy(), t.experts[k])
 
 
-@pytest.mark.parametrize("padding_side", ["right", "left"])
-def test_padded_batch_from_records(padding_side: str) -> None:
-    # gather_targets writes [B, S] rows sequence-major; a transformers router sees them
-    # batch-major: each (b, s) must get its record's row, padding its own choice.
-    from routereplay.trainer_adapter import (
-        gather_targets,
-        padded_position_map,
-        sample_from_record,
-    )
+def _padded_batch(rep: HFRouterReplayer, padding_side: str, S: int = 12) -> tuple:
+    from routereplay.trainer_adapter import padded_position_map, sample_from_record
 
-    model = _model("qwen3_moe")
-    rep = HFRouterReplayer(model)
     rng = np.random.default_rng(7)
-    K, S = 2, 12
-    records = [_record(rng, rep.layers, T, prompt_len=2) for T in (9, 12, 5)]
+    records = []
+    for T in (9, 12, 5):
+        r = _record(rng, rep.layers, T, prompt_len=2)
+        w = rng.random(r.experts.shape).astype(np.float32) * r.valid[:, None, None]
+        records.append(dataclasses.replace(r, weights=w, weights_dtype="float32"))
     samples = [sample_from_record(i, r) for i, r in enumerate(records)]
     pmap = padded_position_map(samples, S, padding_side=padding_side)
     ids = np.zeros((3, S), np.int64)
     for b, r in enumerate(records):
         T = r.num_tokens
-        sl = slice(0, T) if padding_side == "right" else slice(S - T, S)
-        ids[b, sl] = r.token_ids
-    targets = gather_targets(pmap, records, rep.layers, input_ids=ids)
+        ids[b, slice(0, T) if padding_side == "right" else slice(S - T, S)] = r.token_ids
+    return records, pmap, ids
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+@pytest.mark.parametrize(
+    "order,batch_size", [("sequence", None), ("sequence", 3), ("batch", None), ("batch", 3)]
+)
+def test_padded_batch_from_records(padding_side: str, order: str, batch_size: int | None) -> None:
+    # Each (b, s) of a [B=3, S] padded batch gets its own record's row, ids and engine weights,
+    # whichever order gather_targets wrote and whether or not batch_size is passed (the targets
+    # carry their batch shape); padding keeps the router's own choice.
+    from routereplay.trainer_adapter import gather_targets
+
+    model = _model("qwen3_moe")
+    rep = HFRouterReplayer(model, weights="engine")
+    records, pmap, ids = _padded_batch(rep, padding_side)
+    S, K = ids.shape[1], 2
+    targets = gather_targets(pmap, records, rep.layers, input_ids=ids, weights=True, order=order)
+    assert targets.batch_shape == (3, S) and targets.order == order
     seen, _ = _experts_seen(model)
-    with torch.no_grad(), rep.micro_batch(targets, batch_size=3):
+    with torch.no_grad(), rep.micro_batch(targets, batch_size=batch_size):
         model(torch.from_numpy(ids))
     for k, layer in enumerate(rep.layers):
         got = seen[layer][0][0].numpy().reshape(3, S, K)
+        got_w = seen[layer][0][1].numpy().reshape(3, S, K)
         for b, r in enumerate(records):
             T = r.num_tokens
             s0 = 0 if padding_side == "right" else S - T
             want = r.experts[: T - 1, k].astype(np.int64)  # the valid rows
             assert np.array_equal(got[b, s0 : s0 + T - 1], want), (layer, b)
+            assert np.array_equal(got_w[b, s0 : s0 + T - 1], r.weights[: T - 1, k]), (layer, b)
+
+
+def test_a_batch_layout_that_disagrees_is_refused() -> None:
+    from routereplay.trainer_adapter import gather_targets
+
+    model = _model("qwen3_moe")
+    rep = HFRouterReplayer(model)
+    records, pmap, _ = _padded_batch(rep, "right")
+    targets = gather_targets(pmap, records, rep.layers)
+    with pytest.raises(TargetShapeError, match=r"batch_size=1, but .*\[B=3, S=12\]"):
+        with rep.micro_batch(targets, batch_size=1):
+            pass
+    by_hand = ReplayTargets(targets.layers, targets.experts, targets.num_experts)
+    with pytest.raises(ReplayConfigError, match="carry no batch shape"):
+        with rep.micro_batch(by_hand):
+            pass
+    with pytest.raises(TargetShapeError, match="batch_shape"):
+        ReplayTargets(targets.layers, targets.experts, 8, batch_shape=(2, 12))
 
 
 def test_policy_coverage_and_prefetcher_drive_the_hf_replayer() -> None:
