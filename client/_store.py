@@ -130,6 +130,12 @@ def check_redis_versions(versions: list[str], where: str) -> None:
         )
 
 
+def _acl_denied(e: RouteStoreError) -> None:
+    """None when Redis refused ``INFO`` to this user (an ACL); any other refusal re-raised."""
+    if not isinstance(e.__cause__, redis.exceptions.NoPermissionError):
+        raise e
+
+
 def _version_key(version: str) -> tuple[int, ...]:
     parts = []
     for p in version.split(".")[:3]:
@@ -415,6 +421,15 @@ class _Common:
         ids = [validate_route_id(r) for r in route_ids]
         return _raw_batch(self.keys, ids, start, max_bytes, self._mget)
 
+    def _record_versions(self, info: Any) -> list[str]:
+        """Check and keep the versions of an ``INFO server`` reply (None: INFO denied)."""
+        if info is None:
+            self.server_versions = []  # an ACL without INFO: a write then says what failed
+            return []
+        check_redis_versions(versions := redis_versions(info), self._where)
+        self.server_versions = versions
+        return versions
+
     @property
     def _all_nodes(self) -> dict[str, Any]:
         # A cluster answers INFO from one node unless asked for all.
@@ -452,13 +467,8 @@ class RouteStore(_Common):
             with self._guard():
                 info = self.redis.info("server", **self._all_nodes)
         except RouteStoreError as e:
-            if not isinstance(e.__cause__, redis.exceptions.NoPermissionError):
-                raise
-            self.server_versions = []  # an ACL without INFO: a write then says what failed
-            return []
-        check_redis_versions(versions := redis_versions(info), self._where)
-        self.server_versions = versions
-        return versions
+            info = _acl_denied(e)
+        return self._record_versions(info)
 
     def _run(self, op: Op) -> Any:
         if self.server_versions is None:
@@ -570,13 +580,8 @@ class AsyncRouteStore(_Common):
             with self._guard():
                 info = await self.redis.info("server", **self._all_nodes)
         except RouteStoreError as e:
-            if not isinstance(e.__cause__, redis.exceptions.NoPermissionError):
-                raise
-            self.server_versions = []  # an ACL without INFO: a write then says what failed
-            return []
-        check_redis_versions(versions := redis_versions(info), self._where)
-        self.server_versions = versions
-        return versions
+            info = _acl_denied(e)
+        return self._record_versions(info)
 
     async def _run(self, op: Op, big: bool = False) -> Any:
         # The operation's CPU work (encoding, decoding) runs between yields, i.e. inside send():
