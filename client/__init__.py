@@ -12,6 +12,7 @@ from ._errors import (
     RouteError,
     RouteEvictedError,
     RouteForeignFormatError,
+    RouteLimitError,
     RouteNotFoundError,
     RouteServiceError,
     RouteShapeError,
@@ -23,6 +24,7 @@ from ._errors import (
 from ._http import AsyncRoutesClient, RoutesClient
 from ._keys import DEFAULT_BLOCK_SIZE, DEFAULT_TTL_S, KeySchema, validate_route_id
 from ._layout import PutResult, StoredRecord
+from ._limits import ReadLimits
 from ._load import UNKNOWN_VERSION, expert_counts, load_figures
 from ._record import RouteRecord, WeightSpan, expert_dtype
 from ._store import MIN_REDIS_VERSION, AsyncRouteStore, RouteStore
@@ -41,11 +43,13 @@ __all__ = [
     "KeySchema",
     "PutResult",
     "RawBatch",
+    "ReadLimits",
     "RouteConnectionError",
     "RouteCorruptError",
     "RouteError",
     "RouteEvictedError",
     "RouteForeignFormatError",
+    "RouteLimitError",
     "RouteNotFoundError",
     "RouteRecord",
     "RouteServiceError",

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 
+from ._address import HASH_BYTES
 from ._errors import (
     RouteCorruptError,
     RouteError,
     RouteEvictedError,
+    RouteLimitError,
     RouteNotFoundError,
     RouteShapeError,
 )
@@ -31,6 +34,7 @@ _ERROR_CODES: dict[type[RouteError], str] = {
     RouteEvictedError: "route_evicted",
     RouteCorruptError: "route_corrupt",
     RouteShapeError: "invalid_start",
+    RouteLimitError: "route_too_large",
 }
 _ERROR_TYPES = {code: t for t, code in _ERROR_CODES.items()}
 
@@ -73,24 +77,43 @@ class RawBatch:
 
     @classmethod
     def unpack(cls, body: bytes) -> RawBatch:
+        """A batch response, every field checked for its exact type before it is kept (the
+        bytes come from a server the reader does not trust with its memory: a count where
+        bytes belong would otherwise be allocated as that many bytes)."""
         try:
             p = msgpack.unpackb(body, raw=False, strict_map_key=False)
-            batch = cls(
-                manifests={str(k): bytes(v) for k, v in p["manifests"].items()},
-                chunks={
-                    bytes(k): (None if v is None else bytes(v)) for k, v in p["chunks"].items()
-                },
-                missing=[str(x) for x in p["missing"]],
-                deferred=[str(x) for x in p.get("deferred", [])],
-            )
-            for rid, e in (p.get("errors") or {}).items():
-                kind = _ERROR_TYPES.get(e.get("code"), RouteCorruptError)
-                batch.errors[str(rid)] = kind(str(e.get("message")))
-            return batch
-        except RouteError:
-            raise
-        except Exception as exc:
-            raise RouteCorruptError(f"batch response is malformed: {exc!r}") from exc
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise RouteCorruptError(f"batch response is not msgpack: {exc!r}") from exc
+        if type(p) is not dict:
+            raise RouteCorruptError("batch response is not a map")
+        batch = cls(
+            manifests=_map(p, "manifests", str, bytes),
+            chunks=_map(p, "chunks", bytes, (bytes, type(None))),
+            missing=_strings(p, "missing"),
+            deferred=_strings(p, "deferred") if "deferred" in p else [],
+        )
+        if any(len(d) != HASH_BYTES for d in batch.chunks):
+            raise RouteCorruptError(f"batch response: a chunk key is not {HASH_BYTES} bytes")
+        for rid, e in _map(p, "errors", str, dict).items() if p.get("errors") else ():
+            kind = _ERROR_TYPES.get(e.get("code"), RouteCorruptError)
+            batch.errors[rid] = kind(str(e.get("message")))
+        return batch
+
+
+def _map(p: dict[Any, Any], key: str, keys: type, values: type | tuple[type, ...]) -> dict:
+    m = p.get(key)
+    if type(m) is not dict:
+        raise RouteCorruptError(f"batch response: {key!r} is not a map")
+    if not all(type(k) is keys and isinstance(v, values) for k, v in m.items()):
+        raise RouteCorruptError(f"batch response: {key!r} holds an entry of the wrong type")
+    return m
+
+
+def _strings(p: dict[Any, Any], key: str) -> list[str]:
+    v = p.get(key)
+    if type(v) is not list or not all(type(x) is str for x in v):
+        raise RouteCorruptError(f"batch response: {key!r} is not a list of strings")
+    return v
 
 
 def resolve_results(

@@ -11,17 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import zstandard
 
 from . import _transforms as X
 from ._errors import RouteCorruptError
-from ._record import expert_dtype
-from ._zstd import compress, zd
-
-# A zstd block holds at most 128 KiB and takes at least 4 bytes (an RLE block), so no frame
-# decompresses to more than 32768x its size: a larger claim is refused before it is allocated
-# (python-zstandard allocates what the frame header claims).
-_MAX_ZSTD_RATIO = 32768
+from ._zstd import compress, decompress_exact
 
 
 @dataclass(frozen=True)
@@ -43,19 +36,46 @@ class BodyHead:
             raise RouteCorruptError(
                 f"{what}: size field out of range (T={self.T}, M={self.M}, K={self.K}, E={self.E})"
             )
-        if self.xf not in X._TRANSFORMS:
+        if self.xf not in X.TRANSFORMS:
             raise RouteCorruptError(f"{what}: unknown row transform {self.xf}")
         if self.hp not in (0, 1, 2, 3):
             raise RouteCorruptError(f"{what}: high-bits field {self.hp!r} is not 0, 1, 2 or 3")
-        if self.hp and X._high_bit_limit(self.E, self.xf) is None:
+        if self.hp and X.high_bit_limit(self.E, self.xf) is None:
             raise RouteCorruptError(
                 f"{what}: packed high bits need 257 to 512 experts and the ids as values "
                 f"(E={self.E}, transform {self.xf})"
             )
-        if self.hp == 3 and self.E > X._TRITS_MAX_E:
+        if self.hp == 3 and self.E > X.TRITS_MAX_E:
             raise RouteCorruptError(
                 f"{what}: base-3 high digits need 257 to 384 experts (E={self.E})"
             )
+        lo, hi = self.raw_bounds()
+        if not lo <= self.raw_len <= hi:
+            raise RouteCorruptError(
+                f"{what}: body size {self.raw_len} cannot hold T={self.T}, M={self.M}, "
+                f"K={self.K}, E={self.E} under transform {self.xf} (between {lo} and {hi})"
+            )
+
+    def raw_bounds(self) -> tuple[int, int]:
+        """The least and most bytes a decompressed body of this head can hold: exact but for
+        packed high bits (their count depends on the ids) and ``keep`` (the changed ids)."""
+        n = self.M * self.T * self.K
+        head = 4 * self.T + (self.T + 7) // 8
+        if self.xf != X.XF_KEEP:
+            return head + self._values_size(n, False), head + self._values_size(n, True)
+        mask = head + (n + 7) // 8
+        first = self.M * self.K if self.T else 0  # every stream's first id is stored
+        return mask + self._values_size(first, False), mask + self._values_size(n, True)
+
+    def _values_size(self, n: int, most: bool) -> int:
+        """Bytes of ``n`` stored ids (``most``: with every packed high bit present)."""
+        if self.E <= 256:
+            return n
+        if self.hp == 0:
+            return 2 * n
+        if self.hp == 3:
+            return n + (n + 4) // 5
+        return n + (n + 7) // 8 if most else n
 
 
 class Block:
@@ -102,61 +122,6 @@ class Block:
 # ---------------------------------------------------------------------------------------------
 # encode
 # ---------------------------------------------------------------------------------------------
-def _choose(
-    experts_lm: np.ndarray, per_layer: bool, canonical: bool, transform: int | None
-) -> tuple[int, tuple[np.ndarray, np.ndarray] | None]:
-    """(the row transform, the keep split where it was computed on the whole block)."""
-    T = experts_lm.shape[1]
-    candidates = [X.XF_PLAIN]
-    if T > 1:
-        candidates += [X.XF_DELTA, X.XF_KEEP]  # slots kept in place; kept slots + skewed new ids
-    if canonical:
-        candidates.append(X.XF_GAPS)  # sorted rows without locality
-    if transform is not None:
-        if transform not in (*candidates, X.XF_TOKENS):
-            raise ValueError(f"row transform {transform} does not apply to this block")
-        return transform, None
-    if not experts_lm.size or len(candidates) == 1:
-        return X.XF_PLAIN, None
-    # An order-0 entropy estimate on a sample: a good proxy for zstd's Huffman stage, which is
-    # what codes near-random symbols.
-    sample = X._sample_tokens(experts_lm)
-    est: dict[int, float] = {}
-    keep_split = None
-    for x in candidates:
-        if x == X.XF_KEEP:
-            split = X._keep_split(sample)
-            # A store chunk is its own sample: its split is kept for the encode.
-            keep_split = split if sample is experts_lm else None
-            est[x] = X._keep_cost(sample, per_layer, split)
-        else:
-            est[x] = X._transform_cost(x, sample, per_layer)
-    xf = min(est, key=est.__getitem__)
-    # Plain decodes fastest (zstd alone); a transform must save >= 1% to be worth its decode
-    # pass. On uniform routes every estimate is within sampling noise of plain.
-    if est[xf] > 0.99 * est[X.XF_PLAIN]:
-        return X.XF_PLAIN, None
-    return xf, keep_split if xf == X.XF_KEEP else None
-
-
-def _limit(num_experts: int, xf: int, lm: np.ndarray) -> int | None:
-    return X._high_bit_limit(num_experts, xf) if lm.dtype == np.uint16 else None
-
-
-def _tokens_wins(lm: np.ndarray, xf: int, num_experts: int) -> bool | None:
-    """Whether the token order beats ``xf`` on a trial sample by >= 3%; None where the block is
-    its own sample (the caller compares the whole bodies instead). Only for rows shorter than
-    zstd's minimum match (5 to 7 bytes): longer rows match within a layer, and what the token
-    order saves is zstd matches, which no order-0 estimate sees."""
-    trial = X._sample_tokens(lm, X._TRIAL)
-    if trial is lm:
-        return None
-    lim_t = _limit(num_experts, X.XF_TOKENS, lm)
-    tok = compress(X._row_segments(X.XF_TOKENS, trial, False, limit=lim_t)[0])
-    other = compress(X._row_segments(xf, trial, False, limit=_limit(num_experts, xf, lm))[0])
-    return len(tok) < 0.97 * len(other)
-
-
 def encode_body(
     token_ids: np.ndarray,
     experts_lm: np.ndarray,
@@ -176,22 +141,22 @@ def encode_body(
     M, T, K = experts_lm.shape
     if canonical_order and not presorted:
         experts_lm = X.canonicalize(experts_lm)
-    per_layer = M > 1 and T * K >= X._LAYER_BLOCK_MIN
-    xf, keep_split = _choose(experts_lm, per_layer, canonical_order, transform)
+    per_layer = M > 1 and T * K >= X.LAYER_BLOCK_MIN
+    xf, keep_split = X.choose_transform(experts_lm, per_layer, canonical_order, transform)
     head = token_ids.astype("<u4", copy=False).tobytes() + np.packbits(valid).tobytes()
     whole_trial = False
     if transform is None and T > 1 and experts_lm.size and K * experts_lm.itemsize < 8:
-        wins = _tokens_wins(experts_lm, xf, num_experts)
+        wins = X.tokens_wins(experts_lm, xf, num_experts)
         whole_trial = wins is None
         if wins:
             xf = X.XF_TOKENS
-    lim = _limit(num_experts, xf, experts_lm)
-    rows, hp = X._row_segments(xf, experts_lm, per_layer, keep_split, lim)
+    lim = X.limit_for(num_experts, xf, experts_lm)
+    rows, hp = X.row_segments(xf, experts_lm, per_layer, keep_split, lim)
     segments = [head, *rows]
     body = compress(segments)
     if whole_trial:  # a small block: both bodies compressed whole, the smaller kept
-        lim_t = _limit(num_experts, X.XF_TOKENS, experts_lm)
-        alt_rows, alt_hp = X._row_segments(X.XF_TOKENS, experts_lm, False, limit=lim_t)
+        lim_t = X.limit_for(num_experts, X.XF_TOKENS, experts_lm)
+        alt_rows, alt_hp = X.row_segments(X.XF_TOKENS, experts_lm, False, limit=lim_t)
         alt_body = compress([head, *alt_rows])
         if len(alt_body) < 0.97 * len(body):
             xf, segments, body, hp = X.XF_TOKENS, [head, *alt_rows], alt_body, alt_hp
@@ -203,22 +168,8 @@ def encode_body(
 # decode
 # ---------------------------------------------------------------------------------------------
 def decompress(head: BodyHead, body: bytes | memoryview, what: str) -> bytes:
-    if head.raw_len > _MAX_ZSTD_RATIO * len(body):
-        raise RouteCorruptError(
-            f"{what}: a {len(body)}-byte compressed body cannot hold the {head.raw_len} bytes "
-            "its header claims"
-        )
-    try:
-        raw = zd().decompress(body, max_output_size=head.raw_len)
-    except zstandard.ZstdError as exc:
-        raise RouteCorruptError(f"{what}: compressed body is corrupted: {exc}") from exc
-    except MemoryError as exc:  # a claim within that ratio, still too large for this host
-        raise RouteCorruptError(
-            f"{what}: cannot allocate the {head.raw_len} bytes its header claims"
-        ) from exc
-    if len(raw) != head.raw_len:
-        raise RouteCorruptError(f"{what}: body holds {len(raw)} bytes, header says {head.raw_len}")
-    return raw
+    """The decompressed body, its size checked against ``head`` before anything is allocated."""
+    return decompress_exact(body, head.raw_len, what)
 
 
 class Parsed:
@@ -254,7 +205,7 @@ def parse_body(head: BodyHead, raw: bytes, what: str) -> Parsed:
     if xf == X.XF_KEEP:
         _parse_keep(p, rows, what)
     else:
-        p.lm = _join_values(head, rows, M * T * K, (M, T, K), None, what)
+        p.lm = X.join_values(rows, M * T * K, (M, T, K), (head.E, xf, head.hp), None, what)
     return p
 
 
@@ -286,50 +237,9 @@ def check_keep(p: Parsed, mask: np.ndarray, data: memoryview, what: str) -> np.n
         raise RouteCorruptError(f"{what}: change bits leave a stream without its first id")
     if n % 8 and mask[-1] & ((1 << (8 - n % 8)) - 1):
         raise RouteCorruptError(f"{what}: change bits set past the last row")
-    n_values = int(X._POP[mask].sum())
+    n_values = X.count_ones(mask)
     groups = (mask, K * T, M) if h.hp == 2 else None
-    return _join_values(h, data, n_values, (n_values,), groups, what)
-
-
-def _join_values(
-    h: BodyHead,
-    data: memoryview,
-    n: int,
-    shape: tuple[int, ...],
-    groups: tuple[np.ndarray | None, int, int] | None,
-    what: str,
-) -> np.ndarray:
-    """``n`` ids (``shape``) from the rest of a body, which they must fill exactly."""
-    dtype = expert_dtype(h.E)
-    limit = X._high_bit_limit(h.E, h.xf) if h.hp else None
-    if dtype.itemsize == 1 or limit is None:
-        size = n * dtype.itemsize
-    elif h.hp == 3:
-        size = n + (n + 4) // 5
-    else:
-        size, n_hi = X._split_high(data, n, limit, what, h.hp)
-    if len(data) != size:
-        raise RouteCorruptError(
-            f"{what}: body size {h.raw_len} does not match T={h.T}, M={h.M}, K={h.K}, E={h.E}"
-        )
-    if limit is None:
-        return X._join_planes(data, shape, dtype)
-    if h.hp == 3:
-        return X._join_trits(data, shape, what)
-    if h.hp == 2 and groups is None:  # layer-major rows group by layer; token order is one group
-        groups = (None, n, 1) if h.xf == X.XF_TOKENS else (None, h.T * h.K, h.M)
-    return X._join_high(data, shape, limit, n_hi, groups if h.hp == 2 else None)
-
-
-def invert(head: BodyHead, lm: np.ndarray) -> np.ndarray:
-    """Layer-major rows ``[M, T, K]`` from the joined values of ``head``'s row transform."""
-    if head.xf == X.XF_TOKENS:  # stored [T, M, K]: a strided layer-major view, no copy
-        return lm.reshape(head.T, head.M, head.K).transpose(1, 0, 2)
-    if head.xf == X.XF_DELTA:
-        return np.cumsum(lm, axis=1, dtype=lm.dtype)
-    if head.xf == X.XF_GAPS:
-        return X._ungaps(lm)
-    return lm
+    return X.join_values(data, n_values, (n_values,), (h.E, h.xf, h.hp), groups, what)
 
 
 def join_parsed(parsed: list[Parsed], whats: list[str]) -> list[np.ndarray | RouteCorruptError]:
@@ -351,7 +261,7 @@ def join_parsed(parsed: list[Parsed], whats: list[str]) -> list[np.ndarray | Rou
         for j, i in enumerate(idx):
             out[i] = joined[j] if joined is not None else _join_one(parsed[i], whats[i])
     return [
-        x if isinstance(x, RouteCorruptError) else invert(p.head, x)
+        x if isinstance(x, RouteCorruptError) else X.invert(p.head.xf, x)
         for p, x in zip(parsed, out, strict=True)
     ]  # type: ignore[arg-type]
 

@@ -20,6 +20,7 @@ import struct
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import Executor, Future
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,14 +28,24 @@ from ._address import chunk_digest, next_chain
 from ._body import Block, BodyHead, Parsed, decompress, join_parsed, parse_body
 from ._errors import RouteCorruptError, RouteError
 from ._frame import HEADER, KIND_CHUNK, check_crc, check_header, check_short, frame
-from ._weights import decode_weights
-
-WEIGHTS = "weights"
+from ._weights import WEIGHTS, decode_weights
 
 _CHUNK = struct.Struct("<IIHHBBBB16sII")
 _HEAD = struct.Struct(HEADER.format + _CHUNK.format[1:])  # the frame's header, then the chunk's
 _SECTION = struct.Struct("<I")
+# What numpy and struct raise on bytes that slipped past a check: never out of a read, whose
+# ids each get their own error.
+MALFORMED = (ArithmeticError, IndexError, KeyError, TypeError, ValueError)
 _CANONICAL = 1
+
+
+class ChunkShape(NamedTuple):
+    """The shape a chunk must declare: ``T`` rows of ``M`` layers x ``K`` ids below ``E``."""
+
+    T: int
+    M: int
+    K: int
+    E: int
 
 
 def chunk_blob(
@@ -91,7 +102,7 @@ class _Pending:
         self.weights: memoryview | None = None
 
 
-def _parse(digest: bytes, blob: bytes, what: str) -> _Pending:
+def _parse(digest: bytes, blob: bytes, what: str, want: ChunkShape | None) -> _Pending:
     mv = memoryview(blob)
     if len(mv) < _HEAD.size:
         if len(mv) < HEADER.size:
@@ -104,6 +115,11 @@ def _parse(digest: bytes, blob: bytes, what: str) -> _Pending:
     T, E, M, K, xf, hp, flags, n_extra, prev, raw_len, body_len = f[6:]
     if flags & ~_CANONICAL:
         raise RouteCorruptError(f"{what}: unknown chunk flags {flags:#x}")
+    if want is not None and (T, M, K, E) != want:
+        raise RouteCorruptError(
+            f"{what}: declares T={T}, M={M}, K={K}, E={E}; its manifest needs "
+            f"T={want.T}, M={want.M}, K={want.K}, E={want.E}"
+        )
     head = BodyHead(T, M, K, E, xf, hp, bool(flags), raw_len)
     head.check(what)
     end = _HEAD.size + body_len
@@ -146,9 +162,12 @@ def _named(p: _Pending | None, blob: bytes, exc: RouteCorruptError, what: str) -
     return exc
 
 
-def decode_chunks(items: Sequence[tuple[bytes, bytes | None]]) -> list[Block | RouteError | None]:
+def decode_chunks(
+    items: Sequence[tuple[bytes, bytes | None]], shapes: Mapping[bytes, ChunkShape] | None = None
+) -> list[Block | RouteError | None]:
     """Decode ``(address, blob)`` pairs (None: no blob) into checked blocks, or each chunk's
-    error. A bad chunk never fails the others."""
+    error. ``shapes``: the shape each chunk must declare (see :class:`ChunkShape`), checked
+    before it is decompressed. A bad chunk never fails the others."""
     out: list[Block | RouteError | None] = [None] * len(items)
     pending: list[tuple[int, _Pending]] = []
     for i, (digest, blob) in enumerate(items):
@@ -156,11 +175,13 @@ def decode_chunks(items: Sequence[tuple[bytes, bytes | None]]) -> list[Block | R
             continue
         what = f"chunk {digest.hex()}"
         try:
-            pending.append((i, _parse(digest, blob, what)))
+            pending.append((i, _parse(digest, blob, what, shapes and shapes.get(digest))))
         except RouteCorruptError as exc:
             out[i] = _named(None, blob, exc, what)
         except RouteError as exc:
             out[i] = exc
+        except MALFORMED as exc:
+            out[i] = RouteCorruptError(f"{what}: malformed: {exc!r}")
     whats = [f"chunk {p.digest.hex()}" for _, p in pending]
     rows = join_parsed([p.parsed for _, p in pending], whats)
     for (i, p), lm, what in zip(pending, rows, whats, strict=True):
@@ -170,6 +191,8 @@ def decode_chunks(items: Sequence[tuple[bytes, bytes | None]]) -> list[Block | R
             out[i] = _finish(p, lm, what)
         except RouteCorruptError as exc:
             out[i] = _named(p, b"", exc, what)
+        except MALFORMED as exc:
+            out[i] = RouteCorruptError(f"{what}: malformed: {exc!r}")
     return out
 
 
@@ -188,9 +211,15 @@ class ChunkDecoder(Mapping[bytes, "Block | RouteError | None"]):
     for every part. Without a pool, chunks decode on the caller's thread as they are added.
     """
 
-    def __init__(self, pool: Executor | None = None, parts: int = 1) -> None:
+    def __init__(
+        self,
+        pool: Executor | None = None,
+        parts: int = 1,
+        shapes: Mapping[bytes, ChunkShape] | None = None,
+    ) -> None:
         self.pool = pool
         self.parts = parts
+        self.shapes = shapes
         self._done: dict[bytes, Block | RouteError | None] = {}
         self._pending: dict[bytes, Future[list[Block | RouteError | None]]] = {}
         self._members: dict[Future[list[Block | RouteError | None]], list[bytes]] = {}
@@ -198,10 +227,10 @@ class ChunkDecoder(Mapping[bytes, "Block | RouteError | None"]):
     def add(self, digests: Sequence[bytes], blobs: Sequence[bytes | None]) -> None:
         items = list(zip(digests, blobs, strict=True))
         if self.pool is None or len(items) < 2:
-            self._done.update(zip(digests, decode_chunks(items), strict=True))
+            self._done.update(zip(digests, decode_chunks(items, self.shapes), strict=True))
             return
         for part in _split(items, self.parts):
-            fut = self.pool.submit(decode_chunks, part)
+            fut = self.pool.submit(decode_chunks, part, self.shapes)
             self._members[fut] = [d for d, _ in part]
             self._pending.update((d, fut) for d, _ in part)
 

@@ -13,8 +13,10 @@ import numpy as np
 from ._body import BodyHead, decode_body, encode_body
 from ._errors import RouteCorruptError, RouteShapeError, RouteVersionError
 from ._frame import FORMAT_VERSION, KIND_RECORD, MEDIA_TYPE, frame_map, unframe_map
+from ._limits import DEFAULT_LIMITS, ReadLimits
 from ._record import RouteRecord
-from ._weights import decode_weights, encode_weights
+from ._schema import body_shape, check_record_fields, need_int, need_type
+from ._weights import WEIGHTS, decode_weights, encode_weights
 
 __all__ = ["FORMAT_VERSION", "MEDIA_TYPE", "decode_record", "encode_record"]
 
@@ -22,7 +24,6 @@ __all__ = ["FORMAT_VERSION", "MEDIA_TYPE", "decode_record", "encode_record"]
 # that is not here is refused (an older reader never replays part of a record).
 KNOWN_PLANES = frozenset({"ids", "weights"})
 IDS_PLANES = [{"name": "ids", "required": True}]
-WEIGHTS = "weights"
 
 
 def planes_of(record: RouteRecord) -> list[dict[str, Any]]:
@@ -77,15 +78,13 @@ def body_fields(head: BodyHead) -> dict[str, Any]:
 
 
 def body_head(p: dict[str, Any], what: str) -> BodyHead:
-    try:
-        f = [p[k] for k in ("T", "M", "K", "E", "xf", "hp", "raw")]
-        canon = p["canon"]
-    except KeyError as exc:
-        raise RouteCorruptError(f"{what}: payload field {exc} missing") from exc
-    if any(type(v) is not int for v in f) or type(canon) is not bool:
-        raise RouteCorruptError(f"{what}: payload size fields have the wrong type")
-    T, M, K, E, xf, hp, raw = f
-    return BodyHead(T, M, K, E, xf, hp, canon, raw)
+    """The body's head from a record's fields, every one checked for type and range."""
+    T, M, K, E = body_shape(p, what)
+    xf, hp = need_int(p, "xf", what, hi=255), need_int(p, "hp", what, hi=255)
+    raw = need_int(p, "raw", what, hi=1 << 62)
+    head = BodyHead(T, M, K, E, xf, hp, need_type(p, "canon", what, bool), raw)
+    head.check(what)
+    return head
 
 
 def encode_record(record: RouteRecord, *, canonical_order: bool = False) -> bytes:
@@ -157,30 +156,34 @@ def record_from_parts(
         raise RouteCorruptError(f"{what}: record fields malformed or inconsistent: {exc}") from exc
 
 
-def decode_record(blob: bytes | bytearray | memoryview, *, what: str = "record") -> RouteRecord:
+def decode_record(
+    blob: bytes | bytearray | memoryview,
+    *,
+    what: str = "record",
+    limits: ReadLimits = DEFAULT_LIMITS,
+) -> RouteRecord:
     """Decode a blob written by :func:`encode_record`.
 
     Raises :class:`RouteTruncatedError`, :class:`RouteForeignFormatError`,
-    :class:`RouteVersionError` or :class:`RouteCorruptError` naming the problem.
+    :class:`RouteVersionError` or :class:`RouteCorruptError` naming the problem, and
+    :class:`RouteLimitError` for a record larger than ``limits`` allow (before its rows are
+    allocated).
     """
     p = unframe_map(blob, KIND_RECORD, what)
     check_planes(p, what)
-    body = p.get("body")
-    if not isinstance(body, bytes):
-        raise RouteCorruptError(f"{what}: payload field 'body' missing or not bytes")
-    block = decode_body(body_head(p, what), body, what)
+    head = body_head(p, what)
+    check_record_fields(p, head.T, head.M, what)
+    dtype = weights_plane(p, what)
+    limits.check(head.T, head.M, head.K, head.E, dtype is not None, what)
+    block = decode_body(head, need_type(p, "body", what, bytes), what)
     lm = block.experts
     if not lm.flags.writeable:
         # The plain uint8 path views the decompressed bytes; a decoded record owns writable
         # arrays on every path, as joined store reads do.
         lm = lm.copy()
     weights = None
-    dtype = weights_plane(p, what)
     if dtype is not None:
-        data = p.get(WEIGHTS)
-        if not isinstance(data, bytes):
-            raise RouteCorruptError(f"{what}: payload field 'weights' missing or not bytes")
-        w_lm, got = decode_weights(data, lm.shape, what)
+        w_lm, got = decode_weights(need_type(p, WEIGHTS, what, bytes), lm.shape, what)
         if got != dtype:
             raise RouteCorruptError(f"{what}: weights stored as {got}, planes say {dtype}")
         weights = w_lm.transpose(1, 0, 2)

@@ -8,6 +8,7 @@ __all__ = [
     "RouteError",
     "RouteEvictedError",
     "RouteForeignFormatError",
+    "RouteLimitError",
     "RouteNotFoundError",
     "RouteServiceError",
     "RouteShapeError",
@@ -53,6 +54,11 @@ class RouteTruncatedError(RouteCorruptError):
 
 class RouteForeignFormatError(RouteCorruptError):
     """The bytes are not a routereplay blob at all (wrong magic)."""
+
+
+class RouteLimitError(RouteError, ValueError):
+    """A record's declared size exceeds the reader's limits (:class:`ReadLimits`): refused
+    before its rows are allocated. The message names the limit and how to raise it."""
 
 
 class RouteVersionError(RouteError, ValueError):

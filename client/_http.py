@@ -29,6 +29,7 @@ from ._errors import (
 )
 from ._keys import validate_route_id
 from ._layout import finish_read, plan_read
+from ._limits import DEFAULT_LIMITS, ReadLimits
 from ._record import RouteRecord
 from ._threads import DecodePool, default_decode_threads
 
@@ -68,18 +69,20 @@ def _get_request(route_id: str, start: int) -> tuple[str, dict[str, Any]]:
     return f"/v1/routes/{route_id}", {"params": params, "headers": {"Accept": MEDIA_TYPE}}
 
 
-def _parse_get(resp: httpx.Response, route_id: str) -> RouteRecord:
+def _parse_get(resp: httpx.Response, route_id: str, limits: ReadLimits) -> RouteRecord:
     _raise_for(resp, route_id)
-    return decode_record(resp.content, what=f"route {route_id!r} from the service")
+    what = f"route {route_id!r} from the service"
+    return decode_record(resp.content, what=what, limits=limits)
 
 
 class _BatchRead:
     """One ``get_many`` over HTTP: requests until no id is deferred (the service caps the bytes
     of one response), then every record assembled and verified here from the stored bytes."""
 
-    def __init__(self, route_ids: Sequence[str], start: int) -> None:
+    def __init__(self, route_ids: Sequence[str], start: int, limits: ReadLimits) -> None:
         self.ids = [validate_route_id(r) for r in route_ids]
         self.start = start
+        self.limits = limits
         self.pending = list(dict.fromkeys(self.ids))
         self.got = RawBatch()
 
@@ -106,7 +109,8 @@ class _BatchRead:
         self.pending = deferred
 
     def results(self, missing_ok: bool, return_exceptions: bool, decoder: DecodePool) -> list[Any]:
-        plan = plan_read(self.ids, [self.got.manifests.get(i) for i in self.ids], self.start)
+        manifests = [self.got.manifests.get(i) for i in self.ids]
+        plan = plan_read(self.ids, manifests, self.start, self.limits)
         pool = decoder.get()
         parts = 2 * decoder.threads if pool is not None else 1
         results: list[RouteRecord | RouteError | None] = finish_read(
@@ -143,10 +147,14 @@ class RoutesClient:
         headers: dict[str, str] | None = None,
         api_key: str | None = None,
         decode_threads: int | None = None,
+        limits: ReadLimits | None = None,
     ) -> None:
         """``decode_threads``: threads that decode a batch's chunks (default
-        :func:`default_decode_threads`; 1 decodes on the calling thread)."""
+        :func:`default_decode_threads`; 1 decodes on the calling thread). ``limits``: what one
+        record may declare before it is allocated (default :class:`ReadLimits`); a larger one
+        is that id's :class:`RouteLimitError`."""
         self._decoder = DecodePool(decode_threads or default_decode_threads())
+        self.limits = limits or DEFAULT_LIMITS
         self._http = httpx.Client(
             base_url=base_url,
             timeout=timeout,
@@ -163,7 +171,7 @@ class RoutesClient:
     def get(self, route_id: str, *, start: int = 0) -> RouteRecord:
         """The record for ``route_id``, rows ``start..T``."""
         url, kw = _get_request(route_id, start)
-        return _parse_get(self._send("GET", url, **kw), route_id)
+        return _parse_get(self._send("GET", url, **kw), route_id, self.limits)
 
     def get_many(
         self,
@@ -175,7 +183,7 @@ class RoutesClient:
     ) -> list[Any]:
         """Records for ``route_ids`` in order (as :meth:`RouteStore.get_many`): one request
         unless the service defers some ids past its byte cap; shared prefixes cross once."""
-        read = _BatchRead(route_ids, start)
+        read = _BatchRead(route_ids, start, self.limits)
         while (req := read.next_request()) is not None:
             read.add(self._send("POST", "/v1/routes:batch", **req))
         return read.results(missing_ok, return_exceptions, self._decoder)
@@ -208,8 +216,10 @@ class AsyncRoutesClient:
         headers: dict[str, str] | None = None,
         api_key: str | None = None,
         decode_threads: int | None = None,
+        limits: ReadLimits | None = None,
     ) -> None:
         self._decoder = DecodePool(decode_threads or default_decode_threads())
+        self.limits = limits or DEFAULT_LIMITS
         self._http = httpx.AsyncClient(
             base_url=base_url,
             timeout=timeout,
@@ -227,7 +237,7 @@ class AsyncRoutesClient:
         """See :meth:`RoutesClient.get`."""
         url, kw = _get_request(route_id, start)
         resp = await self._send("GET", url, **kw)
-        return await asyncio.to_thread(_parse_get, resp, route_id)
+        return await asyncio.to_thread(_parse_get, resp, route_id, self.limits)
 
     async def get_many(
         self,
@@ -238,7 +248,7 @@ class AsyncRoutesClient:
         return_exceptions: bool = False,
     ) -> list[Any]:
         """See :meth:`RoutesClient.get_many`."""
-        read = _BatchRead(route_ids, start)
+        read = _BatchRead(route_ids, start, self.limits)
         while (req := read.next_request()) is not None:
             read.add(await self._send("POST", "/v1/routes:batch", **req))
         # Decoding a training step's records takes a large fraction of a second: never on

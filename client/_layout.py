@@ -21,14 +21,24 @@ import numpy as np
 
 from ._address import chain_seed, chunk_digest, token_chain
 from ._body import Block, encode_body
-from ._chunks import WEIGHTS, ChunkDecoder, chunk_blob, decode_chunks, sections_bytes
+from ._chunks import (
+    MALFORMED,
+    ChunkDecoder,
+    ChunkShape,
+    chunk_blob,
+    decode_chunks,
+    sections_bytes,
+)
 from ._codec import check_planes, check_slot_order, record_fields, record_from_parts, weights_plane
 from ._errors import RouteCorruptError, RouteError, RouteEvictedError, RouteShapeError
 from ._frame import KIND_MANIFEST, frame_map, unframe_map
 from ._keys import KeySchema, validate_route_id
+from ._limits import DEFAULT_LIMITS, ReadLimits
 from ._record import RouteRecord, expert_dtype
+from ._schema import body_shape, check_record_fields, need_int, need_type, show
+from ._schema import digests as manifest_digests
 from ._transforms import canonicalize
-from ._weights import encode_weights
+from ._weights import WEIGHTS, encode_weights
 
 __all__ = ["PutResult", "StoredRecord"]
 
@@ -191,26 +201,30 @@ class Manifest:
         """The token chain before chunk 0 (see :func:`chain_seed`)."""
         f = self.fields
         wv = f.get("wv")
-        version = str(wv[0][0]) if wv else None
+        version = wv[0][0] if wv else None  # a str: parse_manifest checked it
         return chain_seed(
             str(f["model"]), self.E, self.K, tuple(f["moe"]), self.block_size, version
         )
 
 
-def parse_manifest(route_id: str, blob: bytes) -> Manifest:
+def parse_manifest(route_id: str, blob: bytes, limits: ReadLimits = DEFAULT_LIMITS) -> Manifest:
+    """A manifest's fields, each checked for type and range, and its record's declared size
+    against ``limits`` (RouteLimitError) before any chunk of it is read."""
     what = f"manifest of route {route_id!r}"
     p = unframe_map(blob, KIND_MANIFEST, what)
     check_planes(p, what)
-    try:
-        T, M, K, E, bs = (int(p[k]) for k in ("T", "M", "K", "E", "bs"))
-        digests = [bytes(d) for d in p["chunks"]]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise RouteCorruptError(f"{what}: field missing or malformed: {exc}") from exc
-    if bs < 1 or len(digests) != -(-T // bs):
+    T, M, K, E = body_shape(p, what)
+    bs = need_int(p, "bs", what, lo=1)
+    need_type(p, "canon", what, bool)
+    digests = manifest_digests(p, what)
+    if len(digests) != -(-T // bs):
         raise RouteCorruptError(f"{what}: {len(digests)} chunks cannot hold {T} rows of block {bs}")
     if p.get("id") != route_id:
-        raise RouteCorruptError(f"{what}: manifest belongs to route {p.get('id')!r}")
-    return Manifest(route_id, p, T, M, K, E, bs, digests, weights_plane(p, what))
+        raise RouteCorruptError(f"{what}: manifest belongs to route {show(p.get('id'))}")
+    check_record_fields(p, T, M, what)
+    dtype = weights_plane(p, what)
+    limits.check(T, M, K, E, dtype is not None, what)
+    return Manifest(route_id, p, T, M, K, E, bs, digests, dtype)
 
 
 def _chunk_what(m: Manifest, index: int) -> str:
@@ -402,22 +416,33 @@ class ReadPlan:
 
     def digests(self) -> list[bytes]:
         """Distinct chunk digests the read needs, in first-use order."""
-        seen: dict[bytes, None] = {}
+        return list(self.shapes())
+
+    def shapes(self) -> dict[bytes, ChunkShape]:
+        """The shape each needed chunk must declare, by digest, from the first manifest that
+        names it: a chunk is sized from its manifest (checked against the reader's limits),
+        never from its own header alone."""
+        out: dict[bytes, ChunkShape] = {}
         for _, m, needed in self.manifests:
             for i in needed:
-                seen.setdefault(m.digests[i])
-        return list(seen)
+                if m.digests[i] not in out:
+                    rows = min(m.block_size, m.T - i * m.block_size)
+                    out[m.digests[i]] = ChunkShape(rows, m.M, m.K, m.E)
+        return out
 
 
 def plan_read(
-    route_ids: Sequence[str], manifest_blobs: Sequence[bytes | None], start: int = 0
+    route_ids: Sequence[str],
+    manifest_blobs: Sequence[bytes | None],
+    start: int = 0,
+    limits: ReadLimits = DEFAULT_LIMITS,
 ) -> ReadPlan:
     plan = ReadPlan(start, [None] * len(route_ids), [])
     for idx, (rid, blob) in enumerate(zip(route_ids, manifest_blobs, strict=True)):
         if blob is None:
             continue
         try:
-            m = parse_manifest(rid, blob)
+            m = parse_manifest(rid, blob, limits)
             plan.manifests.append((idx, m, m.needed(start)))
         except RouteError as e:
             plan.results[idx] = e
@@ -438,8 +463,9 @@ def finish_read(
     :class:`RouteCorruptError` (bytes fail a check), :class:`RouteShapeError` (``start`` out of
     range). One bad record never fails the others.
     """
-    dec = ChunkDecoder(pool, parts)
-    digests = plan.digests()
+    shapes = plan.shapes()
+    dec = ChunkDecoder(pool, parts, shapes)
+    digests = list(shapes)
     dec.add(digests, [chunk_blobs.get(d) for d in digests])
     dec.wait()
     return assemble_read(plan, dec)
@@ -470,6 +496,8 @@ def assemble_read(
                 out[idx] = assemble(m, decoded, plan.start, got)  # type: ignore[arg-type]
             except RouteError as e:
                 out[idx] = e
+            except MALFORMED as e:  # a check missed: still this id's error alone, named
+                out[idx] = RouteCorruptError(f"route {m.route_id!r}: malformed: {e!r}")
     return out
 
 
@@ -516,7 +544,8 @@ def apply_fill(plan: FillPlan, chunks: dict[int, tuple[bytes, bytes]]) -> tuple[
     bs = plan.block_size
     chain_of = dict(zip(plan.blocks, plan.chains, strict=True))
     for i, (digest, blob) in chunks.items():
-        (block,) = decode_chunks([(digest, blob)])  # checked against its address
+        shape = ChunkShape(bs, rec.num_moe_layers, rec.top_k, rec.num_experts)
+        (block,) = decode_chunks([(digest, blob)], {digest: shape})  # checked against its address
         a, b = i * bs, (i + 1) * bs
         if (
             not isinstance(block, Block)

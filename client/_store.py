@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Self
 
 import redis
@@ -41,6 +42,7 @@ from ._layout import (
     plan_put,
     plan_read,
 )
+from ._limits import DEFAULT_LIMITS, ReadLimits
 from ._record import RouteRecord
 from ._threads import DecodePool, default_decode_threads
 
@@ -219,15 +221,25 @@ def _read(names: list[str], mget: bool) -> Generator[list[Command], list[Any], l
     return (yield [_cmd("get", n) for n in names])
 
 
-def _get_many(
-    keys: KeySchema, ids: list[str], start: int, pool: Executor | None, parts: int, mget: bool
-) -> Op:
+@dataclass(frozen=True)
+class _Read:
+    """What every read op of a store needs besides its ids."""
+
+    keys: KeySchema
+    start: int
+    limits: ReadLimits
+    mget: bool
+
+
+def _get_many(read: _Read, ids: list[str], pool: Executor | None, parts: int) -> Op:
     """One result per id (record, None, or that id's error); each shared chunk read once, in
     batches that decode (on ``pool``) while the next batch is read."""
+    keys, mget = read.keys, read.mget
     blobs = yield from _read([keys.manifest(rid) for rid in ids], mget)
-    plan = plan_read(ids, blobs, start)
-    digests = plan.digests()
-    dec = ChunkDecoder(pool, parts)
+    plan = plan_read(ids, blobs, read.start, read.limits)
+    shapes = plan.shapes()
+    digests = list(shapes)
+    dec = ChunkDecoder(pool, parts, shapes)
     i = 0
     for size in _batch_sizes(len(digests)):
         batch = digests[i : i + size]
@@ -241,13 +253,15 @@ def _get_many(
     return assemble_read(plan, dec)
 
 
-def _raw_batch(keys: KeySchema, ids: list[str], start: int, max_bytes: int, mget: bool) -> Op:
+def _raw_batch(read: _Read, ids: list[str], max_bytes: int) -> Op:
     """The stored bytes of ``ids`` (manifests and the distinct chunks rows ``start..`` need),
     undecoded, for a reader elsewhere to assemble and verify. Stops taking ids once the chunk
     bytes pass ``max_bytes`` (always taking the first), so memory stays bounded: those not
-    taken are returned as ``deferred``."""
+    taken are returned as ``deferred``. A manifest over the store's limits is that id's
+    error: its chunks are not read."""
+    keys, mget = read.keys, read.mget
     blobs = yield from _read([keys.manifest(rid) for rid in ids], mget)
-    plan = plan_read(ids, blobs, start)
+    plan = plan_read(ids, blobs, read.start, read.limits)
     batch = RawBatch()
     for idx, rid in enumerate(ids):
         if blobs[idx] is None:
@@ -292,10 +306,13 @@ class _Common:
         ttl_s: int = DEFAULT_TTL_S,
         block_size: int = DEFAULT_BLOCK_SIZE,
         decode_threads: int | None = None,
+        limits: ReadLimits | None = None,
         where: str = "",
     ) -> None:
         """``decode_threads``: threads that decode a read's chunks (default
-        :func:`default_decode_threads`; 1 decodes on the calling thread)."""
+        :func:`default_decode_threads`; 1 decodes on the calling thread). ``limits``: what one
+        record may declare before a read allocates it (default :class:`ReadLimits`); a larger
+        record is that id's :class:`RouteLimitError`."""
         if ttl_s < 1:
             raise ValueError(f"ttl_s must be >= 1, got {ttl_s}")
         if block_size < 1:
@@ -307,6 +324,7 @@ class _Common:
         self.ttl_s = ttl_s
         self.block_size = block_size
         self.decode_threads = decode_threads or default_decode_threads()
+        self.limits = limits or DEFAULT_LIMITS
         self._decoder = DecodePool(self.decode_threads)
         self._where = where or repr(client)
         # Set by the first successful server check (check_server, or the first operation).
@@ -367,6 +385,7 @@ class _Common:
         block_size: int = DEFAULT_BLOCK_SIZE,
         cluster: bool | None = None,
         decode_threads: int | None = None,
+        limits: ReadLimits | None = None,
         **redis_kwargs: Any,
     ) -> Self:
         """``redis://`` / ``rediss://``; ``redis+cluster://`` or ``cluster=True`` for a cluster.
@@ -387,7 +406,7 @@ class _Common:
             client = cls._clients[0].from_pool(pool)
         return cls(
             client, prefix=prefix, ttl_s=ttl_s, block_size=block_size,
-            decode_threads=decode_threads, where=url,
+            decode_threads=decode_threads, limits=limits, where=url,
         )  # fmt: skip
 
     def _pipe(self, batch: list[Command]) -> Any:
@@ -413,13 +432,12 @@ class _Common:
     def _get_op(self, route_ids: Sequence[str], start: int) -> Op:
         ids = [validate_route_id(r) for r in route_ids]
         # A few tasks per thread per stage: even shares without a task per chunk.
-        return _get_many(
-            self.keys, ids, start, self._decode_pool(), 2 * self.decode_threads, self._mget
-        )
+        read = _Read(self.keys, start, self.limits, self._mget)
+        return _get_many(read, ids, self._decode_pool(), 2 * self.decode_threads)
 
     def _raw_op(self, route_ids: Sequence[str], start: int, max_bytes: int) -> Op:
         ids = [validate_route_id(r) for r in route_ids]
-        return _raw_batch(self.keys, ids, start, max_bytes, self._mget)
+        return _raw_batch(_Read(self.keys, start, self.limits, self._mget), ids, max_bytes)
 
     def _record_versions(self, info: Any) -> list[str]:
         """Check and keep the versions of an ``INFO server`` reply (None: INFO denied)."""

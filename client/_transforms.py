@@ -34,14 +34,15 @@ from functools import lru_cache
 import numpy as np
 
 from ._errors import RouteCorruptError
-from ._zstd import zc
+from ._record import expert_dtype
+from ._zstd import compress, zc
 
 XF_PLAIN = 0
 XF_DELTA = 1
 XF_GAPS = 2
 XF_KEEP = 3
 XF_TOKENS = 4
-_TRANSFORMS = (XF_PLAIN, XF_DELTA, XF_GAPS, XF_KEEP, XF_TOKENS)
+TRANSFORMS = (XF_PLAIN, XF_DELTA, XF_GAPS, XF_KEEP, XF_TOKENS)
 
 # Entropy estimate sample: enough symbols for a stable histogram, cheap next to compression.
 _SAMPLE = 1 << 16
@@ -52,7 +53,7 @@ _TRIAL = 1 << 14
 # Huffman table (~50-100 bytes): real routers' expert popularity differs per layer, and one
 # table for all layers codes their mixture, which is nearly uniform. Smaller layers (a 128-token
 # store chunk holds ~1 KB per layer) share one table: a table each would cost more than it saves.
-_LAYER_BLOCK_MIN = 8192
+LAYER_BLOCK_MIN = 8192
 
 
 @lru_cache(maxsize=16)
@@ -144,7 +145,7 @@ def _delta(lm: np.ndarray) -> np.ndarray:
 _GROUPED_GAIN = 0.9
 
 
-def _high_bit_limit(num_experts: int, xf: int) -> int | None:
+def high_bit_limit(num_experts: int, xf: int) -> int | None:
     """Low bytes below this carry a stored high bit (``hp`` 1), for ids of 257 to 512 experts
     under a transform whose values are the ids themselves (below E; ``delta`` and ``gaps``
     values wrap around); None: a byte plane of high bytes.
@@ -242,7 +243,7 @@ def _join_high(
 # Base-3 high digits (hp 3) for ids of 257 to 384 experts: the low 7 bits as the byte
 # plane, bits 7-8 (0 to 2) five to a byte. Uniform 384-expert ids: 7 + 1.6 = 8.6 bits each,
 # against 8.67 for a byte plane plus a bit (hp 1), which zstd stores raw (docs/storage.md).
-_TRITS_MAX_E = 384
+TRITS_MAX_E = 384
 _TRIT_WEIGHTS = np.array([81, 27, 9, 3, 1], np.uint16)
 # _TRIT_DIGITS[b]: the five digits of byte b < 243, most significant first.
 _TRIT_DIGITS = (np.arange(243)[:, None] // _TRIT_WEIGHTS[None, :].astype(np.int64) % 3).astype(
@@ -265,7 +266,7 @@ def _trits_pay(low: np.ndarray, limit: int, bounds: list[int]) -> bool:
     high bits (hp 1): order-0 estimates of both from a histogram of the low bytes of each
     segment that gets its own Huffman table (split at ``bounds``). zstd stores a segment raw
     unless Huffman saves more than 1/64 of it, hence the 8 bits."""
-    if limit > _TRITS_MAX_E - 256 or not low.size:
+    if limit > TRITS_MAX_E - 256 or not low.size:
         return False
 
     def bits(c: np.ndarray) -> float:  # a byte plane's bits through zstd
@@ -325,6 +326,12 @@ def _keep_split(lm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 _POP = np.array([bin(b).count("1") for b in range(256)], dtype=np.int32)
 
 
+# Ids joined per slice of whole (block, layer) units: the join's temporaries (a byte of change
+# bits, a prefix count and an 8-byte rank per id) stay a few MiB whatever a record's size, so a
+# decode allocates little beyond the rows it returns.
+_JOIN_SLICE = 1 << 18
+
+
 def keep_join(
     masks: np.ndarray, values: np.ndarray, shape: tuple[int, ...], lengths: np.ndarray
 ) -> np.ndarray | None:
@@ -335,13 +342,41 @@ def keep_join(
     leave a stream without its first id (the caller then checks each block to name it).
 
     Position i of a stream takes ``values[rank(i) - 1]``, ``rank`` the count of set bits up to
-    i: numpy has no "last changed id" scan, so it is an unpack, a prefix count and a gather over
-    the whole batch (one call each instead of one per chunk: a training step's read has ~1500
-    chunks)."""
+    i: numpy has no "last changed id" scan, so it is an unpack, a prefix count and a gather,
+    over whole slices of the batch (one call each per slice instead of one per chunk: a
+    training step's read has ~1500 chunks)."""
     G, M, T, K = shape
-    bits = np.unpackbits(masks, count=G * M * T * K).reshape(G * M * K, T)
-    if not bits.size:
-        return np.empty(shape, values.dtype) if not lengths.any() else None
+    out = np.empty(shape, values.dtype)
+    if not out.size:
+        return out if not lengths.any() else None
+    units, per = G * M, K * T  # a unit: one block's layer, its K streams of T tokens
+    # Slices start on a byte of the masks: a multiple of 8 / gcd(per, 8) units each.
+    align = 8 // math.gcd(per, 8)
+    step = -(-max(1, _JOIN_SLICE // per) // align) * align
+    counts = np.empty(units * K, np.intp)  # ids per stream
+    rows = out.reshape(units, T, K)
+    done = 0
+    for u0 in range(0, units, step):
+        u1 = min(units, u0 + step)
+        got = _join_slice(masks[u0 * per >> 3 :], values, done, (u1 - u0) * K, T)
+        if got is None:
+            return None
+        streams, c = got
+        rows[u0:u1] = streams.reshape(u1 - u0, K, T).transpose(0, 2, 1)
+        counts[u0 * K : u1 * K] = c
+        done += int(c.sum())
+    if not np.array_equal(counts.reshape(G, -1).sum(axis=1), lengths):
+        return None
+    return out
+
+
+def _join_slice(
+    masks: np.ndarray, values: np.ndarray, done: int, n_streams: int, T: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """``n_streams`` streams of ``T`` ids from the change bits at the start of ``masks``, whose
+    first id is ``values[done]``: (the streams ``[n_streams, T]``, ids per stream), or None
+    where a stream has no first id or the bits count more ids than ``values`` holds."""
+    bits = np.unpackbits(masks, count=n_streams * T).reshape(n_streams, T)
     # The rank within each stream fits a byte for streams of up to 255 tokens (store chunks),
     # two up to 65535 (whole records); the stream's first value's index is added after, into
     # intp: numpy's take converts any other index dtype first, which cost more than the gather.
@@ -349,16 +384,13 @@ def keep_join(
         bits, axis=1, dtype=np.uint8 if T < 256 else np.uint16 if T < 65536 else np.intp
     )
     counts = local[:, -1].astype(np.intp)
-    if not bits[:, 0].all() or not np.array_equal(counts.reshape(G, -1).sum(axis=1), lengths):
-        return None
     base = np.cumsum(counts)
+    if not bits[:, 0].all() or done + int(base[-1]) > values.size:
+        return None
     base -= counts
-    base -= 1
+    base += done - 1
     rank = np.add(local, base[:, None], dtype=np.intp)
-    streams = values.take(rank).reshape(G, M, K, T)  # stream order [M, K, T] per block
-    out = np.empty(shape, values.dtype)
-    np.copyto(out, streams.transpose(0, 1, 3, 2))
-    return out
+    return values.take(rank), counts
 
 
 def canonicalize(lm: np.ndarray) -> np.ndarray:
@@ -406,7 +438,7 @@ def _plane_segments(
 ) -> tuple[list[bytes], int]:
     """(the bytes of ``a`` (flat, layer-major) as compression segments, ``hp``): low bytes split
     at the layer ``bounds`` when ``per_layer``, then the near-constant high bytes of uint16 ids
-    (the packed high bits, with ``limit``: :func:`_high_bit_limit`; ``hp`` 0 without)."""
+    (the packed high bits, with ``limit``: :func:`high_bit_limit`; ``hp`` 0 without)."""
     flat = a.reshape(-1)
     if flat.dtype == np.uint8:
         low, high = flat, None
@@ -442,7 +474,7 @@ def _plane_segments(
     return segs, hp
 
 
-def _row_segments(
+def row_segments(
     xf: int,
     lm: np.ndarray,
     per_layer: bool,
@@ -451,7 +483,7 @@ def _row_segments(
 ) -> tuple[list[bytes], int]:
     """(the compression segments of layer-major rows ``lm`` under row transform ``xf``, ``hp``)
     (``split``: ``_keep_split(lm)`` when the caller has it already; ``limit``: packed high
-    bits, :func:`_high_bit_limit`)."""
+    bits, :func:`high_bit_limit`)."""
     if xf == XF_KEEP:
         changed, values = _keep_split(lm) if split is None else split
         segs, hp = _plane_segments(values, per_layer, _value_bounds(changed), limit)
@@ -461,3 +493,115 @@ def _row_segments(
     M, T, K = lm.shape
     bounds = [T * K * m for m in range(1, M)]
     return _plane_segments(np.ascontiguousarray(_ROWS[xf](lm)), per_layer, bounds, limit)
+
+
+# ---------------------------------------------------------------------------------------------
+# the interface of a body (``_body``): choosing a transform, joining stored ids
+# ---------------------------------------------------------------------------------------------
+def choose_transform(
+    experts_lm: np.ndarray, per_layer: bool, canonical: bool, transform: int | None
+) -> tuple[int, tuple[np.ndarray, np.ndarray] | None]:
+    """(the row transform, the keep split where it was computed on the whole block) for
+    layer-major rows; ``transform`` forces one (tests and benchmarks)."""
+    T = experts_lm.shape[1]
+    candidates = [XF_PLAIN]
+    if T > 1:
+        candidates += [XF_DELTA, XF_KEEP]  # slots kept in place; kept slots + skewed new ids
+    if canonical:
+        candidates.append(XF_GAPS)  # sorted rows without locality
+    if transform is not None:
+        if transform not in (*candidates, XF_TOKENS):
+            raise ValueError(f"row transform {transform} does not apply to this block")
+        return transform, None
+    if not experts_lm.size or len(candidates) == 1:
+        return XF_PLAIN, None
+    # An order-0 entropy estimate on a sample: a good proxy for zstd's Huffman stage, which is
+    # what codes near-random symbols.
+    sample = _sample_tokens(experts_lm)
+    est: dict[int, float] = {}
+    keep_split = None
+    for x in candidates:
+        if x == XF_KEEP:
+            split = _keep_split(sample)
+            # A store chunk is its own sample: its split is kept for the encode.
+            keep_split = split if sample is experts_lm else None
+            est[x] = _keep_cost(sample, per_layer, split)
+        else:
+            est[x] = _transform_cost(x, sample, per_layer)
+    xf = min(est, key=est.__getitem__)
+    # Plain decodes fastest (zstd alone); a transform must save >= 1% to be worth its decode
+    # pass. On uniform routes every estimate is within sampling noise of plain.
+    if est[xf] > 0.99 * est[XF_PLAIN]:
+        return XF_PLAIN, None
+    return xf, keep_split if xf == XF_KEEP else None
+
+
+def limit_for(num_experts: int, xf: int, lm: np.ndarray) -> int | None:
+    """The high-bit limit of ``xf`` for uint16 rows (:func:`high_bit_limit`); None for uint8."""
+    return high_bit_limit(num_experts, xf) if lm.dtype == np.uint16 else None
+
+
+def tokens_wins(lm: np.ndarray, xf: int, num_experts: int) -> bool | None:
+    """Whether the token order beats ``xf`` on a trial sample by >= 3%; None where the block is
+    its own sample (the caller compares the whole bodies instead). Only for rows shorter than
+    zstd's minimum match (5 to 7 bytes): longer rows match within a layer, and what the token
+    order saves is zstd matches, which no order-0 estimate sees."""
+    trial = _sample_tokens(lm, _TRIAL)
+    if trial is lm:
+        return None
+    lim_t = limit_for(num_experts, XF_TOKENS, lm)
+    tok = compress(row_segments(XF_TOKENS, trial, False, limit=lim_t)[0])
+    other = compress(row_segments(xf, trial, False, limit=limit_for(num_experts, xf, lm))[0])
+    return len(tok) < 0.97 * len(other)
+
+
+def join_values(
+    data: memoryview,
+    n: int,
+    shape: tuple[int, ...],
+    coding: tuple[int, int, int],
+    groups: tuple[np.ndarray | None, int, int] | None,
+    what: str,
+) -> np.ndarray:
+    """``n`` ids (``shape``) of a body's rows, which ``data`` must hold exactly, stored under
+    ``coding`` ``(E, xf, hp)``; ``groups``: see :func:`_join_high` (None: by the rows'
+    layers)."""
+    E, xf, hp = coding
+    dtype = expert_dtype(E)
+    limit = high_bit_limit(E, xf) if hp else None
+    if dtype.itemsize == 1 or limit is None:
+        size = n * dtype.itemsize
+    elif hp == 3:
+        size = n + (n + 4) // 5
+    else:
+        size, n_hi = _split_high(data, n, limit, what, hp)
+    if len(data) != size:
+        raise RouteCorruptError(
+            f"{what}: a size of {len(data)} bytes for its ids does not match the {size} that "
+            f"{n} ids of E={E} take under transform {xf}"
+        )
+    if limit is None:
+        return _join_planes(data, shape, dtype)
+    if hp == 3:
+        return _join_trits(data, shape, what)
+    if hp == 2 and groups is None:  # layer-major rows group by layer; token order is one group
+        M, T, K = shape
+        groups = (None, n, 1) if xf == XF_TOKENS else (None, T * K, M)
+    return _join_high(data, shape, limit, n_hi, groups if hp == 2 else None)
+
+
+def invert(xf: int, lm: np.ndarray) -> np.ndarray:
+    """Layer-major rows ``[M, T, K]`` from the joined values ``lm`` of row transform ``xf``."""
+    if xf == XF_TOKENS:  # stored [T, M, K]: a strided layer-major view, no copy
+        M, T, K = lm.shape
+        return lm.reshape(T, M, K).transpose(1, 0, 2)
+    if xf == XF_DELTA:
+        return np.cumsum(lm, axis=1, dtype=lm.dtype)
+    if xf == XF_GAPS:
+        return _ungaps(lm)
+    return lm
+
+
+def count_ones(mask: np.ndarray) -> int:
+    """Set bits in a byte array (a ``keep`` body's change bits: the ids it stores)."""
+    return int(_POP[mask].sum())

@@ -21,10 +21,13 @@ import struct
 import numpy as np
 
 from ._errors import RouteCorruptError, RouteShapeError
-from ._zstd import compress, zd
+from ._zstd import compress, decompress_exact
 
-__all__ = ["WEIGHTS_DTYPES", "check_weights", "decode_weights", "encode_weights"]
+__all__ = ["WEIGHTS", "WEIGHTS_DTYPES", "check_weights", "decode_weights", "encode_weights"]
 
+# The plane's name: in a record's or manifest's plane list, a record's payload field, and a
+# store chunk's extra section.
+WEIGHTS = "weights"
 # The dtype names a record may carry, and the code each is stored as.
 WEIGHTS_DTYPES = {"bfloat16": 1, "float16": 2, "float32": 3}
 _DTYPE_NAMES = {v: k for k, v in WEIGHTS_DTYPES.items()}
@@ -112,12 +115,7 @@ def decode_weights(
         raise RouteCorruptError(
             f"{what}: weights plane holds {raw_len} bytes, {n} weights need {n * width}"
         )
-    try:
-        raw = zd().decompress(mv[_HEAD.size :], max_output_size=raw_len) if raw_len else b""
-    except Exception as exc:  # zstandard.ZstdError, or a size claim it cannot allocate
-        raise RouteCorruptError(f"{what}: weights plane is corrupted: {exc}") from exc
-    if len(raw) != raw_len:
-        raise RouteCorruptError(f"{what}: weights plane holds {len(raw)} bytes, not {raw_len}")
+    raw = decompress_exact(mv[_HEAD.size :], raw_len, what, "weights plane") if raw_len else b""
     planes = np.frombuffer(raw, np.uint8).reshape(K, width, M * T)
     slots = np.empty((K, M * T), np.uint16 if width == 2 else np.uint32)
     for k in range(K):

@@ -30,6 +30,7 @@ __all__ = [
     "NotFoundError",
     "RequestTooLargeError",
     "RouteCorruptResponse",
+    "RouteTooLargeResponse",
     "ServiceError",
     "StartupRefused",
     "StoreUnavailableError",
@@ -129,6 +130,16 @@ class RouteCorruptResponse(ServiceError):
     status_code = 422
     type = "route_corrupt_error"
     default_code = "route_corrupt"
+
+
+class RouteTooLargeResponse(ServiceError):
+    """The stored route declares more rows or bytes than the service's reader limits
+    (``ReadLimits``): 422, refused before it is decoded (``POST /v1/routes:batch`` lists such
+    an id under ``errors`` with this code)."""
+
+    status_code = 422
+    type = "route_too_large_error"
+    default_code = "route_too_large"
 
 
 class MethodNotAllowedError(ServiceError):

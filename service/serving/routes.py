@@ -13,6 +13,7 @@ from routereplay.client import (
     AsyncRouteStore,
     RouteCorruptError,
     RouteEvictedError,
+    RouteLimitError,
     RouteNotFoundError,
     RouteRecord,
     RouteShapeError,
@@ -20,7 +21,12 @@ from routereplay.client import (
     validate_route_id,
 )
 
-from ..errors import InvalidRequestError, NotFoundError, RouteCorruptResponse
+from ..errors import (
+    InvalidRequestError,
+    NotFoundError,
+    RouteCorruptResponse,
+    RouteTooLargeResponse,
+)
 from ..protocol import BatchRoutesRequest
 
 __all__ = ["ServingRoutes"]
@@ -85,6 +91,8 @@ class ServingRoutes:
             raise InvalidRequestError(f"start: {e}", param="start") from e
         except RouteCorruptError as e:
             raise RouteCorruptResponse(str(e), param="route_id") from e
+        except RouteLimitError as e:
+            raise RouteTooLargeResponse(str(e), param="route_id") from e
         # Encoding (or listing) a long record is CPU work: keep it off the event loop.
         if as_json:
             return JSONResponse(await asyncio.to_thread(_as_json, route_id, rec))

@@ -9,22 +9,33 @@ rows it must decode to.
 ``generate.py weights`` wrote tests/client/golden/format1-weights.msgpack the same way (never
 regenerated either): records with the optional weights plane in bfloat16 (a GRPO group sharing
 its prompt's chunks, slots in and out of score order), float16 and float32.
+
+``generate.py more`` wrote tests/client/golden/format1-more.msgpack (never regenerated either):
+the ways of writing rows and weights the two files above lack, each record blob and every
+chunk of its record forced to one row transform and high-bit coding (grouped high bits under
+plain and tokens, packed bits and base-3 digits under keep, uint16 high-byte planes past 512
+experts under plain, keep and tokens), and float16 and float32 weights as values (coding 0).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import struct
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
 import numpy as np
 
 from routereplay.bench.store import skewed_routes, softmax_routes, uniform_routes
-from routereplay.client import RouteRecord, encode_record
+from routereplay.client import RouteRecord, _codec, _layout, encode_record
 from routereplay.client import _transforms as X
 from routereplay.client._body import encode_body
 from routereplay.client._chunks import chunk_blob
+from routereplay.client._frame import HEADER
 from routereplay.client._keys import KeySchema
 from routereplay.client._layout import plan_put
 
@@ -191,9 +202,96 @@ def main_weights(path: str) -> None:
     Path(path).write_bytes(msgpack.packb(doc, use_bin_type=True))
 
 
+# ---------------------------------------------------------------------------------------------
+# format1-more.msgpack: the remaining ways of writing rows and weights (run with ``more``)
+# ---------------------------------------------------------------------------------------------
+# The writer's thresholds that make it pick each high-bit coding of 257 to 512 experts (hp 0:
+# none to force, ids of uint8 or of more than 512 experts).
+_HP_GAINS = {0: {}, 1: {"_TRITS_GAIN": 0.0, "_GROUPED_GAIN": 0.0},
+             2: {"_TRITS_GAIN": 0.0, "_GROUPED_GAIN": 1e9}, 3: {"_TRITS_GAIN": 1e9}}  # fmt: skip
+
+
+@contextlib.contextmanager
+def _forced(xf: int | None, hp: int) -> Iterator[None]:
+    """The writer (encode_record, and plan_put's chunks) forced to row transform ``xf`` (None:
+    its own choice) and high-bit coding ``hp``."""
+    saved = [(X, k, getattr(X, k)) for k in _HP_GAINS[hp]]
+    saved += [(m, "encode_body", m.encode_body) for m in (_codec, _layout)]
+    try:
+        for k, v in _HP_GAINS[hp].items():
+            setattr(X, k, v)
+        if xf is not None:
+            for m in (_codec, _layout):
+                m.encode_body = functools.partial(encode_body, transform=xf)
+        yield
+    finally:
+        for mod, name, value in saved:
+            setattr(mod, name, value)
+
+
+# rid: (experts, row transform, high-bit coding, top-k); 300 rows: chunks of 128, 128 and 44.
+MORE_IDS = {
+    "e400-plain-hp2": (400, X.XF_PLAIN, 2, 4),
+    "e400-tokens-hp2": (400, X.XF_TOKENS, 2, 2),
+    "e512-keep-hp1": (512, X.XF_KEEP, 1, 4),
+    "e300-keep-hp3": (300, X.XF_KEEP, 3, 4),
+    "e257-keep-hp2": (257, X.XF_KEEP, 2, 4),
+    "e1000-plain": (1000, X.XF_PLAIN, 0, 4),
+    "e1000-keep": (1000, X.XF_KEEP, 0, 4),
+    "e1000-tokens": (1000, X.XF_TOKENS, 0, 2),
+}
+
+
+def more_records() -> dict[str, tuple[RouteRecord, int | None, int]]:
+    """rid: (record, forced row transform or None, forced high-bit coding)."""
+    rng = np.random.default_rng(20261129)
+    out: dict[str, tuple[RouteRecord, int | None, int]] = {}
+    for rid, (E, xf, hp, K) in MORE_IDS.items():
+        tok = rng.integers(0, 50_000, 300)
+        out[rid] = (_record(skewed_routes(rng, 300, 3, E, K), tok, E), xf, hp)
+    # Weights as values (coding 0): slots out of score order, ids and weights permuted alike.
+    for rid, dtype, K in (("fp16-values", "float16", 6), ("fp32-values", "float32", 6),
+                          ("fp32-k1", "float32", 1)):  # fmt: skip
+        ex, w = softmax_routes(rng, 150, 2, 64, K)
+        perm = rng.permuted(np.tile(np.arange(K), (150, 2, 1)), axis=2)
+        r = _with_weights(np.take_along_axis(ex, perm, 2), np.take_along_axis(w, perm, 2),
+                          rng.integers(0, 50_000, 150), 64, dtype)  # fmt: skip
+        out[rid] = (r, None, 0)
+    return out
+
+
+def _xf_hp(blob: bytes) -> tuple[int, int]:
+    """(row transform, high-bit coding) of a record or chunk blob."""
+    if blob[5] == 1:
+        p = msgpack.unpackb(blob[HEADER.size :], raw=False)
+        return p["xf"], p["hp"]
+    return struct.unpack_from("<BB", blob, HEADER.size + 12)
+
+
+def main_more(path: str) -> None:
+    keys = KeySchema("golden")
+    doc: dict = {"records": {}, "manifests": {}, "chunks": {}, "expect": {}}
+    for rid, (r, xf, hp) in more_records().items():
+        with _forced(xf, hp):
+            blob = encode_record(r)
+            plan = plan_put(keys, rid, r, 128)
+            blobs = [plan.chunk_blob(i) for i in range(len(plan.chunk_keys))]
+        for b in [blob, *blobs]:  # the writer took what it was forced to
+            assert xf is None or _xf_hp(b) == (xf, hp), (rid, _xf_hp(b))
+        doc["records"][rid] = blob
+        doc["manifests"][rid] = plan.manifest_blob
+        for key, b in zip(plan.chunk_keys, blobs, strict=True):
+            doc["chunks"].setdefault(bytes.fromhex(key.split("{")[1].rstrip("}")), b)
+        doc["expect"][rid] = _expect(r) if r.weights is None else _expect_weights(r)
+    Path(path).write_bytes(msgpack.packb(doc, use_bin_type=True))
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["weights"]:
         here = Path(__file__).with_name("format1-weights.msgpack")
         main_weights(sys.argv[2] if len(sys.argv) > 2 else str(here))
+    elif sys.argv[1:2] == ["more"]:
+        here = Path(__file__).with_name("format1-more.msgpack")
+        main_more(sys.argv[2] if len(sys.argv) > 2 else str(here))
     else:
         main(sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).with_name("format1.msgpack")))
