@@ -203,7 +203,7 @@ def create_app(
             stack.push_async_callback(app.state.service.request_ids.aclose)
             if (stats := app.state.service.capture.stats) is not None:
                 metrics.registry.register(stats)
-                stack.callback(stats.close)
+                stack.push_async_callback(stats.aclose)  # drains off the loop
                 stack.callback(metrics.registry.unregister, stats)
             watcher = None
             if on_fatal is not None:

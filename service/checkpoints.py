@@ -7,19 +7,29 @@ cannot load leaves an engine that dies on its next step: every check that can fa
 first, on the safetensors headers (no tensor data is read):
 
 - :func:`resolve_checkpoint`: the path, resolved inside the root, is a readable directory;
-- :func:`read_checkpoint`: ``config.json`` and the safetensors files vLLM would load (the index's
-  files, or every ``*.safetensors``), each header well formed and covering its file exactly;
+- :func:`weight_files`: the files vLLM's default loader reads from the directory, chosen by
+  vLLM's own rule, with every index entry that rule would fail on refused by name;
+- :func:`read_checkpoint`: ``config.json`` and those files, each opened once (links under the
+  root are not followed), fingerprinted, its header well formed and covering its file exactly;
 - :func:`check_compatible`: the architecture and every config field that fixes a shape equal the
-  served model's, and every tensor the served checkpoint has is present with its shape and dtype.
+  served model's, and every tensor the served checkpoint has is present with its shape and dtype;
+- :func:`check_unchanged`: every file read is still the file that was checked. vLLM opens the
+  files again by name, so the engine's load runs between two of these checks.
 """
 
 from __future__ import annotations
 
+import errno
+import fnmatch
 import json
 import math
 import os
+import re
+import stat
 import struct
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +38,13 @@ from .errors import InvalidRequestError
 __all__ = [
     "Checkpoint",
     "CheckpointError",
+    "FileStamp",
     "TensorInfo",
     "check_compatible",
+    "check_unchanged",
     "read_checkpoint",
     "resolve_checkpoint",
+    "weight_files",
 ]
 
 # Config fields that fix a parameter's shape, or the routes' shape (top-k, MoE layer pattern).
@@ -52,6 +65,9 @@ DTYPE_BYTES = {
 }  # fmt: skip
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library refuses larger headers
 INDEX = "model.safetensors.index.json"
+MISTRAL_INDEX = "consolidated.safetensors.index.json"
+# vLLM's loader globs ``<checkpoint>/<pattern>``, so these characters in the path are a pattern.
+GLOB_MAGIC = re.compile(r"[*?[]")
 
 
 class CheckpointError(InvalidRequestError):
@@ -71,17 +87,36 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
+class FileStamp:
+    """One version of one file: a replaced file has another inode, a rewritten one another size
+    or modification time (to the file system's timestamp resolution)."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileStamp:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     path: Path
     config: dict[str, Any]
     tensors: dict[str, TensorInfo]
+    # Every entry read, by name in ``path`` ("." is the directory itself: an entry added, removed
+    # or renamed changes it, and with it what vLLM's loader would list).
+    stamps: dict[str, FileStamp] = field(default_factory=dict)
+    follow_links: bool = False  # True only for the served model's own directory (root None)
 
 
 def resolve_checkpoint(weights_path: str, root: Path | None) -> Path:
     """``weights_path`` (absolute, or relative to ``root``) as a real directory inside ``root``.
 
     Links are resolved before the check, so a link (the directory or any part of its path) that
-    leads out of the root is refused like a path that is outside it."""
+    leads out of the root is refused like a path that is outside it. Blocking: file-system calls."""
     if root is None:
         raise CheckpointError(
             "file-based weight loads are off: start the service with --weights-root DIR (or "
@@ -120,97 +155,276 @@ def _inside(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
 
 
-def read_checkpoint(path: Path, root: Path | None = None) -> Checkpoint:
-    """Read ``path``'s config and safetensors headers; raise :class:`CheckpointError` naming the
-    first file that is missing, unreadable, malformed, truncated, or (with ``root``) a link out
-    of ``root``."""
-    config = _read_json(path / "config.json", root)
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path / 'config.json'} is not a JSON object")
-    tensors: dict[str, TensorInfo] = {}
-    for f in _weight_files(path, root):
-        for name, info in _read_header(f).items():
-            if name in tensors:
-                raise CheckpointError(f"tensor {name!r} is in both {tensors[name].file} and {f}")
-            tensors[name] = info
-    return Checkpoint(path, config, tensors)
+class _Dir:
+    """A checkpoint directory opened once. Its files are opened relative to the directory's
+    descriptor, each once, fingerprinted as opened. Under a weights root no link is followed (the
+    directory's own name included); the served model's directory (no root) follows them, since a
+    Hugging Face cache snapshot is links into its blob store."""
+
+    def __init__(self, path: Path, root: Path | None) -> None:
+        self.path, self.root, self.follow = path, root, root is None
+        try:
+            self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | self._nofollow)
+        except OSError as e:
+            raise CheckpointError(
+                f"{path} cannot be opened as a directory ({e.strerror})", code="not_a_checkpoint"
+            ) from e
+        self.stamps = {".": FileStamp.of(os.fstat(self.fd))}
+
+    @property
+    def _nofollow(self) -> int:
+        return 0 if self.follow else os.O_NOFOLLOW
+
+    def __enter__(self) -> _Dir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+    def names(self) -> list[str]:
+        return os.listdir(self.fd)
+
+    def is_file(self, name: str) -> bool:
+        """``os.path.isfile`` (links followed): how vLLM decides whether an index exists."""
+        try:
+            return stat.S_ISREG(os.stat(name, dir_fd=self.fd).st_mode)
+        except OSError:
+            return False
+
+    @contextmanager
+    def open(self, name: str) -> Iterator[tuple[int, FileStamp]]:
+        """A descriptor of the regular file ``name`` and its fingerprint (recorded)."""
+        f = self.path / name
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | self._nofollow, dir_fd=self.fd)
+        except FileNotFoundError as e:
+            raise CheckpointError(f"{f} is missing") from e
+        except OSError as e:
+            if e.errno == errno.ELOOP and not self.follow:  # O_NOFOLLOW met a link
+                raise self._link_error(f) from e
+            raise CheckpointError(f"{f} is not readable ({e.strerror})") from e
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"{f} is not a regular file")
+            self.stamps[name] = FileStamp.of(st)
+            yield fd, self.stamps[name]
+        finally:
+            os.close(fd)
+
+    def _link_error(self, f: Path) -> CheckpointError:
+        assert self.root is not None
+        if not _inside(Path(os.path.realpath(f)), Path(os.path.realpath(self.root))):
+            return CheckpointError(
+                f"{f} links out of the weights root", code="outside_weights_root"
+            )
+        return CheckpointError(
+            f"{f} is a symbolic link: files of a checkpoint under the weights root are read only "
+            "as regular files, never through links (copy the file, or hard-link it)"
+        )
 
 
-def _weight_files(path: Path, root: Path | None) -> list[Path]:
-    """The files vLLM's default loader reads: the index's, else every top-level safetensors."""
-    if (path / INDEX).exists():
-        index = _read_json(path / INDEX, root)
-        wmap = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
-            raise CheckpointError(f"{path / INDEX} has no weight_map of tensor -> file")
-        files = [path / name for name in sorted(set(wmap.values()))]
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
+def weight_files(path: Path, load_format: str = "auto", root: Path | None = None) -> list[str]:
+    """The names of the files in ``path`` that vLLM's default loader reads for ``load_format``
+    (the engine's ``load_config.load_format``), chosen by vLLM's own rule; raise
+    :class:`CheckpointError` where that rule would make vLLM fail, naming the index entry, or
+    where the files are not safetensors. Blocking: file-system calls."""
+    with _Dir(path, root) as d:
+        return _select(d, load_format)
+
+
+def _select(d: _Dir, load_format: str) -> list[str]:
+    """vLLM's ``DefaultModelLoader._prepare_weights`` on a local directory: the first pattern
+    that matches top-level names (glob's rule: hidden names never match), then, when the
+    index is a file, only the files it names; an index entry that is not one of those files is
+    an error in vLLM (raised after the served weights are released), so it is refused here."""
+    if GLOB_MAGIC.search(str(d.path)):
         raise CheckpointError(
-            f"{path} holds no *.safetensors files (only safetensors checkpoints load here)",
+            f"{str(d.path)!r} holds '*', '?' or '[': vLLM's loader reads the checkpoint path as "
+            "a glob pattern, so it would not read this directory",
             code="not_a_checkpoint",
         )
-    for f in files:
-        _check_file(f, root)
-    return files
+    patterns, index = _patterns(d, load_format)
+    names = [n for n in d.names() if not n.startswith(".")]
+    for pattern in patterns:
+        found = sorted(fnmatch.filter(names, pattern))
+        if found:
+            break
+    if not found or not pattern.endswith(".safetensors"):
+        raise CheckpointError(
+            f"{d.path} holds no {patterns[0]} files (only safetensors checkpoints load here)",
+            code="not_a_checkpoint",
+        )
+    if d.is_file(index):
+        found = _in_index(d, index, found, patterns[0])
+    return found
 
 
-def _check_file(f: Path, root: Path | None) -> None:
-    real = Path(os.path.realpath(f))
-    if root is not None and not _inside(real, Path(os.path.realpath(root))):
-        raise CheckpointError(f"{f} links out of the weights root", code="outside_weights_root")
-    if not real.is_file():
-        raise CheckpointError(f"{f} is missing or not a regular file")
-    if not os.access(real, os.R_OK):
-        raise CheckpointError(f"{f} is not readable")
+def _patterns(d: _Dir, load_format: str) -> tuple[list[str], str]:
+    """The loader's glob patterns, in its order, and its index file's name."""
+    fmt = load_format.lower()
+    if fmt == "auto":
+        fmt = "mistral" if _has_consolidated(d.path) else "hf"
+    if fmt == "hf":
+        return ["*.safetensors", "*.bin", "*.pt"], INDEX
+    if fmt in ("safetensors", "fastsafetensors", "instanttensor"):
+        return ["*.safetensors"], INDEX
+    if fmt == "mistral":
+        return ["consolidated*.safetensors"], MISTRAL_INDEX
+    raise CheckpointError(
+        f"the engine loads with load_format {load_format!r}: file loads are checked, and so "
+        "served, only for vLLM's safetensors formats (auto, hf, safetensors, fastsafetensors, "
+        "instanttensor, mistral)",
+        code="unsupported_load_format",
+    )
 
 
-def _read_json(f: Path, root: Path | None) -> Any:
-    _check_file(f, root)
-    try:
-        with open(f, "rb") as fh:
-            raw = fh.read(MAX_HEADER_BYTES + 1)
-        if len(raw) > MAX_HEADER_BYTES:
+def _has_consolidated(path: Path) -> bool:
+    """vLLM's ``auto`` format is ``mistral`` when any file of the tree (links to directories
+    not entered, links to files followed) is named ``consolidated*.safetensors``."""
+    for top, _dirs, files in os.walk(path):
+        for name in fnmatch.filter(files, "consolidated*.safetensors"):
+            if os.path.isfile(os.path.join(top, name)):
+                return True
+    return False
+
+
+def _in_index(d: _Dir, index: str, found: list[str], pattern: str) -> list[str]:
+    wmap = _read_json(d, index)
+    wmap = wmap.get("weight_map") if isinstance(wmap, dict) else None
+    if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
+        raise CheckpointError(f"{d.path / index} has no weight_map of tensor -> file")
+    # vLLM compares os.path.join(checkpoint, entry) with the globbed paths, string for string.
+    folder = str(d.path)
+    listed = {os.path.join(folder, n) for n in found}
+    bad = sorted({v for v in wmap.values() if os.path.join(folder, v) not in listed})
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise CheckpointError(
+            f"{d.path / index} names {bad[0]!r}{more}, which is not a {pattern} file at the top "
+            "of the checkpoint, spelled as its bare name: vLLM's loader fails on such an entry "
+            "after it has released the served weights",
+        )
+    named = {os.path.join(folder, v) for v in wmap.values()}
+    kept = [n for n in found if os.path.join(folder, n) in named]
+    if not kept:
+        raise CheckpointError(f"{d.path / index} names no file", code="not_a_checkpoint")
+    return kept
+
+
+def read_checkpoint(path: Path, root: Path | None = None, load_format: str = "auto") -> Checkpoint:
+    """Read ``path``'s config and the safetensors headers of :func:`weight_files`; raise
+    :class:`CheckpointError` naming the first file that is missing, unreadable, malformed,
+    truncated, changed while read, or (with ``root``) a link. Blocking: file-system calls."""
+    with _Dir(path, root) as d:
+        config = _read_json(d, "config.json")
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{path / 'config.json'} is not a JSON object")
+        tensors: dict[str, TensorInfo] = {}
+        for name in _select(d, load_format):
+            for tensor, info in _read_header(d, name).items():
+                if tensor in tensors:
+                    raise CheckpointError(
+                        f"tensor {tensor!r} is in both {tensors[tensor].file} and {name}"
+                    )
+                tensors[tensor] = info
+        return Checkpoint(path, config, tensors, dict(d.stamps), d.follow)
+
+
+def check_unchanged(checkpoint: Checkpoint) -> None:
+    """Raise :class:`CheckpointError` (``checkpoint_changed``) naming the first entry
+    :func:`read_checkpoint` read that is no longer what it read: replaced, rewritten, gone, or
+    (links not followed) now a link. Blocking: file-system calls."""
+    look = os.stat if checkpoint.follow_links else os.lstat
+    # The directory last: a replaced or rewritten file is the more useful name.
+    for name, was in sorted(checkpoint.stamps.items(), key=lambda item: item[0] == "."):
+        f = checkpoint.path / name
+        try:
+            now: FileStamp | None = FileStamp.of(look(f))
+        except OSError:
+            now = None
+        if now != was:
+            what = _change(was, now)
+            if name == "." and what == "was modified":
+                what = "had an entry added, removed or renamed"
+            raise CheckpointError(
+                f"{f} {what} after it was checked: a checkpoint must not change while it loads",
+                code="checkpoint_changed",
+            )
+
+
+def _change(was: FileStamp, now: FileStamp | None) -> str:
+    if now is None:
+        return "is gone"
+    if (now.dev, now.ino) != (was.dev, was.ino):
+        return "was replaced by another file"
+    if now.size != was.size:
+        return f"changed size from {was.size} to {now.size} bytes"
+    return "was modified"
+
+
+def _read_json(d: _Dir, name: str) -> Any:
+    f = d.path / name
+    with d.open(name) as (fd, stamp):
+        if stamp.size > MAX_HEADER_BYTES:
             raise CheckpointError(f"{f} is larger than {MAX_HEADER_BYTES} bytes")
-        return json.loads(raw)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{f} is not readable JSON ({e})") from e
+        try:
+            return json.loads(_pread(fd, stamp.size, 0))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{f} is not readable JSON ({e})") from e
 
 
-def _read_header(f: Path) -> dict[str, TensorInfo]:
+def _pread(fd: int, n: int, at: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        got = os.pread(fd, n - len(out), at + len(out))
+        if not got:
+            break
+        out += got
+    return out
+
+
+def _read_header(d: _Dir, name: str) -> dict[str, TensorInfo]:
     """A safetensors header, checked as the format defines it: every tensor's byte range matches
     its dtype and shape, and the ranges cover the data section exactly (a truncated or padded
     file fails here)."""
-    try:
-        size = f.stat().st_size
-        with open(f, "rb") as fh:
-            head = fh.read(8)
+    f = d.path / name
+    with d.open(name) as (fd, stamp):
+        try:
+            head = _pread(fd, 8, 0)
             if len(head) < 8:
-                raise CheckpointError(f"{f} is not a safetensors file ({size} bytes)")
+                raise CheckpointError(f"{f} is not a safetensors file ({stamp.size} bytes)")
             (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
+            if n > MAX_HEADER_BYTES or 8 + n > stamp.size:
                 raise CheckpointError(f"{f} is not a safetensors file, or truncated (header {n})")
-            header = json.loads(fh.read(n))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{f} has no readable safetensors header ({e})") from e
+            header = json.loads(_pread(fd, n, 8))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{f} has no readable safetensors header ({e})") from e
+        out = _tensors(f, header, stamp.size - 8 - n)
+        _open_as_vllm_does(fd, f)
+        if FileStamp.of(os.fstat(fd)) != stamp:  # still being written
+            raise CheckpointError(f"{f} changed while it was read", code="checkpoint_changed")
+    return out
+
+
+def _tensors(f: Path, header: Any, data_bytes: int) -> dict[str, TensorInfo]:
     if not isinstance(header, dict):
         raise CheckpointError(f"{f}: the safetensors header is not a JSON object")
     meta = header.pop("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise CheckpointError(f"{f}: __metadata__ must map strings to strings")
     out = {name: _tensor(f, name, entry) for name, entry in header.items()}
-    _check_coverage(f, header, size - 8 - n)
-    _open_as_vllm_does(f)
+    _check_coverage(f, header, data_bytes)
     return out
 
 
-def _open_as_vllm_does(f: Path) -> None:
-    """The safetensors library's own checks, the reader vLLM's loader uses (headers only)."""
+def _open_as_vllm_does(fd: int, f: Path) -> None:
+    """The safetensors library's own checks, the reader vLLM's loader uses (headers only), on
+    the file already open (``/dev/fd``: the same file, not the name again)."""
     from safetensors import safe_open
 
     try:
-        with safe_open(str(f), framework="np") as st:
+        with safe_open(f"/dev/fd/{fd}", framework="np") as st:
             st.keys()
     except (KeyboardInterrupt, SystemExit):
         raise

@@ -10,11 +10,17 @@ import asyncio
 import logging
 import os
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from .checkpoints import Checkpoint, CheckpointError, check_compatible, read_checkpoint
+from .checkpoints import (
+    Checkpoint,
+    CheckpointError,
+    check_compatible,
+    check_unchanged,
+    read_checkpoint,
+)
 from .engine import (
     ChoiceDelta,
     ChoiceFinished,
@@ -44,6 +50,8 @@ from .protocol import (
 __all__ = ["VllmBackend", "engine_env", "on_cpu_host"]
 
 log = logging.getLogger("routereplay.service")
+
+T = TypeVar("T")
 
 # Stopping: seconds vLLM's engine core waits for its worker to exit by itself before it sends
 # SIGTERM (vLLM's 5 s, and 10 s, were short for a worker tearing down on a loaded 2-core host),
@@ -667,6 +675,44 @@ class VllmBackend(EngineBackend):
         return f"token_id:{token_id}"
 
 
+class _OneAtATime:
+    """Runs weight loads one at a time, each to its end once it has started.
+
+    The lock is held by the task that does the load, never by its caller: a caller that is
+    cancelled (its client hung up) leaves a started load running, and the lock held, until the
+    load, or the restore after it, ends; otherwise a second load could start on an engine
+    still loading (or half loaded). A caller cancelled while still waiting for the lock drops
+    its load: nobody would learn its outcome."""
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+        self._orphans: set[asyncio.Task[Any]] = set()  # loads whose caller went away
+
+    async def run(self, work: Callable[[], Awaitable[T]]) -> T:
+        started = asyncio.Event()
+
+        async def locked() -> T:
+            async with self._lock:
+                started.set()
+                return await work()
+
+        task = asyncio.ensure_future(locked())
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not started.is_set():
+                task.cancel()  # the lock is released by its own acquire when cancelled
+            else:
+                self._orphans.add(task)  # the loop keeps only weak references to tasks
+                task.add_done_callback(self._orphan_done)
+            raise
+
+    def _orphan_done(self, task: asyncio.Task[Any]) -> None:
+        self._orphans.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("a weight load whose caller went away failed: %s", task.exception())
+
+
 class _VllmRL(RLControl):
     """The RL API on the in-process ``AsyncLLM``: the same engine calls vLLM's own server makes.
 
@@ -678,9 +724,10 @@ class _VllmRL(RLControl):
 
     def __init__(self, backend: VllmBackend) -> None:
         self.b = backend
-        self._reload_lock = asyncio.Lock()
+        self._reloads = _OneAtATime()
         self._served: Checkpoint | None = None
         self._good: Path | None = None  # the weights last loaded whole (first: the served model)
+        self._good_root: Path | None = None  # the weights root _good was loaded under, if any
 
     @property
     def engine(self) -> Any:
@@ -735,14 +782,12 @@ class _VllmRL(RLControl):
     async def reload_weights(
         self, checkpoint: Path, weight_version: str | None, root: Path
     ) -> None:
-        # Shielded: a client that hangs up mid-load must not leave the engine half loaded with
-        # nobody restoring it; one load at a time, for the same reason.
-        async with self._reload_lock:
-            await asyncio.shield(self._reload(checkpoint, weight_version, root))
+        await self._reloads.run(lambda: self._reload(checkpoint, weight_version, root))
 
     async def _reload(self, checkpoint: Path, weight_version: str | None, root: Path) -> None:
         engine = self.engine
-        new = await asyncio.to_thread(read_checkpoint, checkpoint, root)
+        fmt = self._load_format()
+        new = await asyncio.to_thread(read_checkpoint, checkpoint, root, fmt)
         check_compatible(new, await self._served_checkpoint())
         # vLLM frees the old tensors before it reads the new ones: no step may run in between
         # (running requests freeze, as under /pause?mode=keep, and go on under the new weights).
@@ -750,7 +795,7 @@ class _VllmRL(RLControl):
         if not was_paused:
             await engine.pause_generation(mode="keep", clear_cache=False)
         try:
-            await self._load(checkpoint, root)
+            await self._load(checkpoint, root, new)
         finally:
             if not was_paused and not self.b.dead:
                 await engine.resume_generation()
@@ -759,46 +804,61 @@ class _VllmRL(RLControl):
         if weight_version is not None:
             await engine.update_weight_version(weight_version)
 
+    def _load_format(self) -> str:
+        """The engine's load format: it decides which files of a checkpoint vLLM reads."""
+        return str(self.engine.vllm_config.load_config.load_format)
+
     async def _served_checkpoint(self) -> Checkpoint:
         """The headers of the checkpoint the engine booted from: what every load must match."""
         if self._served is None:
-            path = local_model_dir(self.b.model)
+            fmt = self._load_format()
+            path = await asyncio.to_thread(local_model_dir, self.b.model)
             try:
-                self._served = await asyncio.to_thread(read_checkpoint, path)
+                self._served = await asyncio.to_thread(read_checkpoint, path, None, fmt)
             except CheckpointError as e:
                 raise CheckpointError(
                     f"the served model's own checkpoint ({self.b.model}) cannot be read, so no "
                     f"checkpoint can be checked against it: {e.message}",
                     code="served_model_unreadable",
                 ) from e
-            self._good = path
+            self._good, self._good_root = path, None
         return self._served
 
-    async def _load(self, checkpoint: Path, root: Path) -> None:
+    async def _load(self, checkpoint: Path, root: Path, read: Checkpoint | None = None) -> None:
+        """Load ``checkpoint`` in the engine. With ``read`` (what the checks read), vLLM, which
+        opens the files again by name, must find those same files: checked right before the
+        load (a change refuses it, nothing released yet) and right after (a change restores)."""
+        if read is not None:
+            await asyncio.to_thread(check_unchanged, read)
         try:
             await self.engine.collective_rpc(
                 "reload_weights", kwargs={"weights_path": str(checkpoint)}
             )
+            if read is not None:
+                await asyncio.to_thread(check_unchanged, read)
         except Exception as e:
-            log.error("loading %s failed in the engine: %s; restoring %s", checkpoint, e,
-                      self._good)  # fmt: skip
-            await self._restore(root)
+            log.error("loading %s failed: %s; restoring %s", checkpoint, e, self._good)
+            await self._restore()
             version = await self.engine.get_weight_version()
+            why = e.message if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
             raise CheckpointError(
-                f"the engine could not load {str(checkpoint)!r} ({type(e).__name__}: {e}); the "
-                f"previous weights ({version!r}) are restored and serving",
+                f"the engine could not load {str(checkpoint)!r} ({why}); the previous weights "
+                f"({version!r}) are restored and serving",
                 code="checkpoint_load_failed",
             ) from e
-        self._good = checkpoint
+        self._good, self._good_root = checkpoint, root
 
-    async def _restore(self, root: Path) -> None:
-        """Load the last good weights again, or stop the service (exit status 3): the engine
-        holds released tensors and would die on its next step."""
+    async def _restore(self) -> None:
+        """Load the last good weights again, checked as any load, or stop the service (exit
+        status 3): the engine holds released tensors and would die on its next step."""
         good = self._good
         try:
             assert good is not None and self._served is not None
-            check_compatible(await asyncio.to_thread(read_checkpoint, good), self._served)
+            fmt = self._load_format()
+            read = await asyncio.to_thread(read_checkpoint, good, self._good_root, fmt)
+            check_compatible(read, self._served)
             await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": str(good)})
+            await asyncio.to_thread(check_unchanged, read)
         except Exception as e:
             reason = f"restoring the last good weights ({good}) failed: {type(e).__name__}: {e}"
             self.b.fail(reason)

@@ -9,6 +9,7 @@ the request cannot succeed here, and retrying will not change that.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable
@@ -124,7 +125,7 @@ class ServingRL:
     async def reload_weights(self, weights_path: str, weight_version: str | None) -> dict[str, Any]:
         rl = self.rl
         try:
-            path = resolve_checkpoint(weights_path, self.weights_root)
+            path = await asyncio.to_thread(resolve_checkpoint, weights_path, self.weights_root)
         except CheckpointError as e:
             self.metrics.rl_ops.labels(op="reload", status=e.code).inc()
             raise

@@ -1,16 +1,23 @@
 """Expert-load telemetry (service/routing_stats.py): the figures per MoE layer and weight
-version over a sliding window, bounded series, the per-expert counter's limit, a full queue
-skipping records instead of blocking, and the metrics on a running app's /metrics."""
+version over a sliding window, bounded series, the per-expert counter's limit, a queue that holds
+only the expert ids and spans and is bounded by bytes (skipping records, never blocking), counting
+in blocks, the newest versions kept by first appearance, a shutdown that leaves the event loop
+serving, and the metrics on a running app's /metrics."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import math
+import time
+import tracemalloc
+import weakref
 
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from routereplay.client import RouteRecord
+from routereplay.client import RouteRecord, expert_counts
 from routereplay.service.routing_stats import RoutingStats, load_figures
 
 from .conftest import MODEL, running_app, until
@@ -77,20 +84,159 @@ def test_per_expert_counter_and_its_limit() -> None:
         RoutingStats(LAYERS, 128, K, per_expert=True)
 
 
-def test_observe_never_blocks_and_counts_in_its_thread() -> None:
-    stats = RoutingStats(LAYERS, E, K, queue_size=1)
-    rec = _record([[[0, 1], [2, 3]]] * 4)
-    with stats._lock:  # the worker waits inside its first count: the queue fills
-        for _ in range(50):
-            stats.observe(rec)
-    stats.close()  # counts what was queued
+def _big_record(T: int, M: int, K: int, spans=None) -> RouteRecord:
+    """A record of ``T`` tokens over ``M`` MoE layers with random ids, routing weights and an
+    invalid last row (as an engine returns it)."""
+    rng = np.random.default_rng(T)
+    ex = rng.integers(0, E, (T, M, K), dtype=np.uint8)
+    valid = np.ones(T, bool)
+    valid[-1] = False
+    weights = np.where(valid[:, None, None], np.float32(0.5), np.float32(0))
+    weights = np.broadcast_to(weights, ex.shape).copy()
+    return RouteRecord(np.arange(T), ex, valid, tuple(range(M)), M, E,
+                       weight_versions=spans or [], weights=weights,
+                       weights_dtype="float32")  # fmt: skip
+
+
+def test_the_queue_keeps_the_ids_not_the_record() -> None:
+    stats = RoutingStats(LAYERS, E, K)
+    rec = _big_record(4096, len(LAYERS), K)
+    record, weights, tokens = weakref.ref(rec), weakref.ref(rec.weights), weakref.ref(rec.token_ids)
+    with stats._lock:  # the worker waits inside its first count, holding what was queued
+        stats.observe(rec)
+        del rec
+        gc.collect()
+        assert record() is None and weights() is None and tokens() is None
+    stats.close()
     v = _values(stats)
-    counted = v[("routereplay_routed_tokens_window", ("weight_version", "unknown"))]
-    assert counted == 4 * (50 - stats.skipped) and stats.skipped >= 48
-    assert v[("routereplay_routing_stats_skipped_total",)] == stats.skipped
+    assert v[("routereplay_routed_tokens_window", ("weight_version", "unknown"))] == 4095
+
+
+def test_the_queue_is_bounded_by_bytes_and_skips_past_it() -> None:
+    stats = RoutingStats(range(32), E, 8)  # the default bound: 64 MiB
+    T, n = 16384, 40  # 4 MiB of expert ids a record
+    tracemalloc.start()
+    try:
+        with stats._lock:  # the worker waits inside its first count: the queue fills
+            for i in range(n):
+                ex = np.full((T, 32, 8), i % E, np.uint8)
+                stats.observe(RouteRecord(np.arange(T), ex, np.ones(T, bool), range(32), 32, E))
+                del ex
+                assert 0 < stats.queued_bytes <= 64 << 20
+            held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held <= 65 << 20, f"{n} records observed, {held} bytes still held"
+    assert stats.skipped >= 24
+    stats.close()  # counts what was queued
+    assert stats.queued_bytes == 0
+    v = _values(stats)
+    assert v[("routereplay_routed_tokens_window", ("weight_version", "unknown"))] == T * (
+        n - stats.skipped
+    )
+    assert v[("routereplay_routing_stats_skipped_total", ("reason", "queue_full"))] == stats.skipped
     registry = CollectorRegistry()
     registry.register(stats)
     assert b"routereplay_routing_entropy{" in generate_latest(registry)
+
+
+def test_a_record_larger_than_the_bound_waits_alone() -> None:
+    rec = _big_record(1024, len(LAYERS), K)
+    stats = RoutingStats(LAYERS, E, K, max_queued_bytes=1024)
+    with stats._lock:
+        stats.observe(rec)  # counted: nothing else waits
+        stats.observe(rec)  # skipped: the first still waits
+    stats.close()
+    assert stats.skipped == 1 and stats.queued_bytes == 0
+    v = _values(stats)
+    assert v[("routereplay_routed_tokens_window", ("weight_version", "unknown"))] == 1023
+
+
+def test_counting_copies_a_block_not_the_record() -> None:
+    rec = _big_record(65536, 48, 8)  # 24 MiB of uint8 ids: 192 MiB as int64
+    stats = RoutingStats(range(48), E, 8)
+    tracemalloc.start()
+    try:
+        stats.count(rec)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < rec.experts.nbytes / 4, f"counting allocated {peak} bytes at its peak"
+    (_, want, _), = expert_counts(rec)  # fmt: skip
+    first = stats._bucket(stats.clock()) - 11
+    np.testing.assert_array_equal(stats._windows["unknown"].total(first), want)
+
+
+def test_a_late_record_of_an_old_version_leaves_the_live_window() -> None:
+    stats = RoutingStats(LAYERS, E, K, versions=2)
+    tokens = [[[0, 1], [2, 3]]] * 4
+
+    def versions() -> set[str]:
+        return {dict(k[1:])["weight_version"] for k in _values(stats)
+                if k[0] == "routereplay_routed_tokens_window"}  # fmt: skip
+
+    for v in ("v1", "v2", "v3"):  # v3 is live; v1 is pushed out
+        stats.count(_record(tokens, [(v, 0, 4)]))
+    assert versions() == {"v2", "v3"}
+    stats.count(_record(tokens, [("v2", 0, 4)]))  # late, but kept: counted
+    stats.count(_record(tokens, [("v1", 0, 4)]))  # late, pushed out already: dropped
+    assert versions() == {"v2", "v3"}
+    stats.count(_record(tokens, [("v1", 0, 2), ("v3", 2, 4)]))  # only v1's rows dropped
+    v = _values(stats)
+    assert v[("routereplay_routed_tokens_window", ("weight_version", "v2"))] == 8
+    assert v[("routereplay_routed_tokens_window", ("weight_version", "v3"))] == 6
+    assert v[("routereplay_routing_stats_skipped_total", ("reason", "retired_version"))] == 2
+    stats.count(_record(tokens, [("v4", 0, 4)]))  # a version seen first is the newest
+    assert versions() == {"v3", "v4"}
+
+
+async def test_aclose_drains_while_the_loop_runs() -> None:
+    stats = RoutingStats(LAYERS, E, K)
+    stats._lock.acquire()  # the worker waits inside its count until the loop lets it go
+    stats.observe(_record([[[0, 1], [2, 3]]] * 4))
+    closing = asyncio.create_task(stats.aclose())
+    for _ in range(3):  # the loop keeps running while the close waits for the worker
+        await asyncio.sleep(0.01)
+    assert not closing.done()
+    stats._lock.release()
+    await closing
+    v = _values(stats)
+    assert v[("routereplay_routed_tokens_window", ("weight_version", "unknown"))] == 4
+
+
+async def test_shutdown_drains_the_routing_stats_off_the_loop(redis_url: str) -> None:
+    ticks: list[float] = []
+    shutting_down = asyncio.Event()
+    async with running_app(redis_url) as svc:
+        stats, info = svc.app.state.service.capture.stats, svc.backend.info
+        T, M = 64, len(info.moe_layers)
+        rec = RouteRecord(np.arange(T), np.zeros((T, M, info.top_k), np.uint8), np.ones(T, bool),
+                          info.moe_layers, info.num_layers, info.num_experts)  # fmt: skip
+        stats._lock.acquire()  # the worker waits inside its count: closing waits for it
+        stats.observe(rec)
+
+        async def tick() -> None:
+            await shutting_down.wait()
+            closing = 0
+            while True:
+                ticks.append(time.monotonic())
+                closing += stats._thread is None  # the close has begun
+                if closing == 3 and stats._lock.locked():
+                    stats._lock.release()  # only a running loop lets the worker finish
+                await asyncio.sleep(0.01)
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0)
+        shutting_down.set()
+        start = time.monotonic()
+    ticks.append(time.monotonic())
+    ticker.cancel()
+    if stats._lock.locked():
+        stats._lock.release()
+    stalls = np.diff([start, *ticks])
+    assert stalls.max() < 2.5, f"the event loop stood still {stalls.max():.1f} s in the shutdown"
+    v = _values(stats)
+    assert v[("routereplay_routed_tokens_window", ("weight_version", "unknown"))] == T
 
 
 async def test_metrics_endpoint_shows_the_stored_routes_load(redis_url: str) -> None:
