@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -26,6 +25,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from .errors import InvalidRequestError, ServiceError
+from .key_entries import TENANT_NAME, parse_key_entry
 from .settings import Settings
 
 __all__ = [
@@ -37,8 +37,6 @@ __all__ = [
     "parse_key_entry",
     "principal",
 ]
-
-_TENANT = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class AuthenticationError(ServiceError):
@@ -72,7 +70,7 @@ class Principal:
                 f"tenant: {tenant!r} is not yours; only an admin key reaches other tenants' routes",
                 param="tenant",
             )
-        if not _TENANT.fullmatch(tenant):
+        if not TENANT_NAME.fullmatch(tenant):
             raise InvalidRequestError(
                 f"tenant: {tenant[:70]!r} is not a tenant name ([A-Za-z0-9_-]{{1,64}})",
                 param="tenant",
@@ -81,21 +79,6 @@ class Principal:
 
 
 OPEN = Principal(tenant=None, admin=True)
-
-
-def parse_key_entry(entry: str) -> tuple[str, str]:
-    """``TENANT:KEY`` or ``KEY`` -> (tenant, key); a bare key's tenant is named after its hash.
-
-    ValueError says what is wrong without the key itself (messages reach logs and terminals)."""
-    entry = entry.strip()
-    tenant, sep, key = entry.partition(":")
-    if not sep:
-        tenant, key = "k" + hashlib.sha256(entry.encode()).hexdigest()[:12], entry
-    if not _TENANT.fullmatch(tenant):
-        raise ValueError(f"tenant name {tenant!r} must match [A-Za-z0-9_-]{{1,64}}")
-    if len(key) < 16:
-        raise ValueError(f"the key of tenant {tenant!r} is shorter than 16 characters")
-    return tenant, key
 
 
 def _parse_entry(entry: str, where: str) -> tuple[str, str]:

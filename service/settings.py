@@ -15,13 +15,12 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from .cpu_setup import omp_threads_bind
 from .env_settings import SettingsEnvSource
+from .key_entries import parse_key_entry
 
 __all__ = ["Settings"]
 
 
 def _key_entry(entry: SecretStr) -> SecretStr:
-    from .auth import parse_key_entry  # auth imports this module: import at use
-
     parse_key_entry(entry.get_secret_value())
     return entry
 
