@@ -25,7 +25,7 @@ from ._http import AsyncRoutesClient, RoutesClient
 from ._keys import DEFAULT_BLOCK_SIZE, DEFAULT_TTL_S, KeySchema, validate_route_id
 from ._layout import PutResult, StoredRecord
 from ._limits import ReadLimits
-from ._load import UNKNOWN_VERSION, expert_counts, load_figures
+from ._load import UNKNOWN_VERSION, expert_counts, layer_counts, load_figures
 from ._record import RouteRecord, WeightSpan, expert_dtype
 from ._store import MIN_REDIS_VERSION, AsyncRouteStore, RouteStore
 from ._threads import default_decode_threads
@@ -67,6 +67,7 @@ __all__ = [
     "encode_record",
     "expert_counts",
     "expert_dtype",
+    "layer_counts",
     "load_figures",
     "validate_route_id",
 ]

@@ -26,7 +26,13 @@ from typing import NamedTuple
 import numpy as np
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from routereplay.client import UNKNOWN_VERSION, RouteRecord, expert_counts, load_figures
+from routereplay.client import (
+    UNKNOWN_VERSION,
+    RouteRecord,
+    expert_counts,
+    layer_counts,
+    load_figures,
+)
 
 __all__ = [
     "DEFAULT_MAX_QUEUED_BYTES",
@@ -49,7 +55,6 @@ _ITEM_BYTES = 512
 # old; a version never seen (or forgotten past this many) counts as the newest.
 _RETIRED_REMEMBERED = 1024
 _CLOSE_TIMEOUT_S = 5.0
-_BLOCK_IDS = 1 << 18  # expert ids per bincount (see _layer_counts)
 
 
 def _held_nbytes(a: np.ndarray) -> int:
@@ -77,25 +82,6 @@ class _Routes(NamedTuple):
             tuple((str(v or UNKNOWN_VERSION), int(a), int(b)) for v, a, b in spans),
             _held_nbytes(record.experts) + _held_nbytes(record.valid) + _ITEM_BYTES,
         )
-
-
-def _layer_counts(experts: np.ndarray, valid: np.ndarray, num_experts: int) -> np.ndarray:
-    """Expert counts ``[M, E]`` int64 of the valid rows of ``experts`` ``[T, M, K]``.
-
-    One bincount of ``layer * E + id`` per block of rows: the int64 copy that bincount works on
-    is one block's (``max(2**18, M * E)`` ids: 2 MiB for most models), never one of the whole
-    ``[T, M, K]``. A bincount per layer bounds memory as well, but gathering each layer's
-    strided ids made it about 2x slower on a 48-layer, top-8 record."""
-    T, M, K = experts.shape
-    bins = M * num_experts
-    rows = max(1, max(_BLOCK_IDS, bins) // max(1, M * K))
-    offsets = (np.arange(M, dtype=np.intp) * num_experts)[:, None]
-    out = np.zeros(bins, np.int64)
-    for a in range(0, T, rows):
-        ok = valid[a : a + rows]
-        block = experts[a : a + rows] if ok.all() else experts[a : a + rows][ok]
-        out += np.bincount((block + offsets).ravel(), minlength=bins)
-    return out.reshape(M, num_experts)
 
 
 class _Window:
@@ -236,7 +222,7 @@ class RoutingStats:
             if window is None:
                 retired = True
                 continue
-            counts = _layer_counts(routes.experts[start:stop], valid, self.E)
+            counts = layer_counts(routes.experts[start:stop], valid, self.E)
             with self._lock:
                 window.add(bucket, counts)
                 if self._expert_totals is not None:
