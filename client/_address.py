@@ -15,7 +15,8 @@ import blake3
 import msgpack
 import numpy as np
 
-HASH_BYTES = 16
+from ._schema import HASH_BYTES
+
 _SEED_DOMAIN = b"routereplay-chain-1"
 
 

@@ -14,7 +14,6 @@ from typing import Any
 
 import msgpack
 
-from ._address import HASH_BYTES
 from ._errors import (
     RouteCorruptError,
     RouteError,
@@ -24,6 +23,7 @@ from ._errors import (
     RouteShapeError,
 )
 from ._record import RouteRecord
+from ._schema import HASH_BYTES
 
 __all__ = ["BATCH_MEDIA_TYPE", "RawBatch", "resolve_results"]
 

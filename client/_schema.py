@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._address import HASH_BYTES
 from ._errors import RouteCorruptError
 
 __all__ = [
-    "U16", "U32", "body_shape", "check_record_fields", "digests", "need_int", "need_type", "show",
+    "HASH_BYTES", "U16", "U32", "body_shape", "check_record_fields", "digests", "need_int",
+    "need_type", "show",
 ]  # fmt: skip
 
+# A content address (chunk digest, token chain): BLAKE3 truncated to 16 bytes (``_address``).
+HASH_BYTES = 16
 U16 = (1 << 16) - 1
 U32 = (1 << 32) - 1
 _MISSING = object()

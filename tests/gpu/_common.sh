@@ -23,7 +23,8 @@ stage_package() {
     return 0
   fi
   cp client/_errors.py client/_record.py client/_codec.py client/_threads.py client/_frame.py \
-    client/_body.py client/_transforms.py client/_zstd.py client/_weights.py \
+    client/_body.py client/_transforms.py client/_zstd.py client/_weights.py client/_limits.py \
+    client/_schema.py \
     /tmp/rr/routereplay/client/
   cat > /tmp/rr/routereplay/client/__init__.py <<'PY'
 """routereplay.client (the GPU subset: records and their codec)."""

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # HFRouterReplayer under FSDP2 on 2 GPUs (NCCL), one command: tests/trainer/_hf_fsdp_check.py for
 # each supported model family, in float32 with activation checkpointing (gradients against the
-# unsharded model) and with bf16 mixed precision.
+# unsharded model), with bf16 mixed precision, and in float32 with the parameters offloaded to the
+# CPU (CPUOffloadPolicy; MODES picks among checkpointing, bf16, offload).
 # transformers comes with the device image; carried wheels in .whl/ (msgpack, zstandard for
 # CPython 3.12). The log goes to /tmp/rr-hf-logs, and into $OUT when the device tool's $OUT is set.
 set -u
@@ -14,7 +15,7 @@ gpu_run_setup /tmp/rr-hf-logs .whl
 fail=0
 python3 -m torch.distributed.run --nproc-per-node 2 tests/trainer/_hf_fsdp_check.py \
   --device "$DEV" --model-types qwen3_moe,qwen2_moe,olmoe,mixtral,deepseek_v3,gpt_oss \
-  --modes checkpointing,bf16 >"$LOGS/fsdp2.log" 2>&1 || fail=1
+  --modes "${MODES:-checkpointing,bf16,offload}" >"$LOGS/fsdp2.log" 2>&1 || fail=1
 python3 - "$LOGS/fsdp2.log" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):

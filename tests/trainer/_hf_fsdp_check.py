@@ -53,21 +53,31 @@ def _reference(mt: str, batches: list, world: int, dev: torch.device) -> dict[st
     return {n: p.grad.detach().cpu() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _shard(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """``rank``'s part of ``full`` as FSDP2 shards it (``torch.chunk`` on dim 0; empty past
+    the chunks there are)."""
+    parts = torch.chunk(full, world, dim=0)
+    return parts[rank] if rank < len(parts) else full[:0]
+
+
 def check(mt: str, mode: str, rank: int, world: int, dev: torch.device) -> bool:
     """One configuration on this rank: prints its JSON line, returns whether it passed."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    n, ckpt, bf16 = 2, mode == "checkpointing", mode == "bf16"
+    n, ckpt, bf16, offload = 2, mode == "checkpointing", mode == "bf16", mode == "offload"
     batches = _batches(mt, world, n, ARGS.seq)
     mine = batches[rank * n : (rank + 1) * n]
     ref = None if bf16 else _reference(mt, batches, world, dev)
-    model = _model(mt).to(dev)
+    # Offload: the sharded parameters (the routers' included) stay on the CPU and the forward
+    # runs on the GPU, so the replay targets must follow the logits, not the router's weight.
+    model = _model(mt) if offload else _model(mt).to(dev)
     if ckpt:
         model.gradient_checkpointing_enable()
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
+    kw = {"offload_policy": CPUOffloadPolicy()} if offload else {}
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(layer, mp_policy=mp, **kw)
+    fully_shard(model, mp_policy=mp, **kw)
     rep = HFRouterReplayer(model, shadow=True)
     seen, hooks = _experts_seen(model)
     calls_per_mb = 2 if ckpt else 1
@@ -80,10 +90,17 @@ def check(mt: str, mode: str, rank: int, world: int, dev: torch.device) -> bool:
             exact &= len(got) == calls_per_mb
             exact &= all(np.array_equal(idx.cpu().numpy(), t.experts[k]) for idx, _ in got)
     max_diff = None
-    if ref is not None:
+    if ref is not None and offload:  # gradients on the CPU: this rank's shard, no collective
+        grads = {name: p.grad.to_local() for name, p in model.named_parameters()
+                 if p.grad is not None}  # fmt: skip
+        ref = {name: _shard(g, rank, world) for name, g in ref.items()}
+    elif ref is not None:
         grads = {name: p.grad.full_tensor().cpu() for name, p in model.named_parameters()
                  if p.grad is not None}  # fmt: skip
-        max_diff = max(float((grads[name] - g).abs().max()) for name, g in ref.items())
+    if ref is not None:
+        # A shard may be empty (fewer rows than ranks): it differs by nothing.
+        max_diff = max(float((grads[name] - g).abs().max()) if g.numel() else 0.0
+                       for name, g in ref.items())  # fmt: skip
         exact &= grads.keys() == ref.keys()
     ok = bool(exact) and (max_diff is None or max_diff < 1e-5)
     out = {
@@ -119,8 +136,9 @@ if __name__ == "__main__":
     p.add_argument("--device", default="cpu")
     p.add_argument("--model-types", default="qwen3_moe", help="comma-separated")
     p.add_argument("--modes", default="checkpointing,bf16",
-                   help="checkpointing (float32, activation checkpointing, gradients compared) "
-                   "and/or bf16 (FSDP2 mixed precision)")  # fmt: skip
+                   help="checkpointing (float32, activation checkpointing, gradients compared), "
+                   "bf16 (FSDP2 mixed precision) and/or offload (float32, parameters offloaded "
+                   "to the CPU, CUDA only)")  # fmt: skip
     p.add_argument("--seq", type=int, default=24)
     ARGS = p.parse_args()
     code = main()
