@@ -1,4 +1,4 @@
-"""docs/trainer.md's packed transformers step, run as written against a real service: routes
+"""docs/trainer-hf.md's packed transformers step, run as written against a real service: routes
 the engine chose for completions made with the openai SDK, fetched over HTTP and replayed into
 the served checkpoint loaded by transformers, forward and backward."""
 
@@ -14,11 +14,11 @@ from openai import OpenAI
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.vllm
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "trainer.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "trainer-hf.md"
 
 
 def _example() -> str:
-    section = DOC.read_text().split("## Hugging Face transformers trainers", 1)[1]
+    section = DOC.read_text().split("# Hugging Face transformers trainers", 1)[1]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 

@@ -32,5 +32,6 @@ def test_bridge_logits_and_shadow(variant: str) -> None:
     assert r["rotated_token_mismatch"] > 0.2
     # Filler rows are not counted.
     assert set(r["per_layer_rows"].values()) == {r["valid_rows"]}
-    # The cost is measured and printed (docs/trainer.md); timing is not asserted on a shared CPU.
+    # The cost is measured and printed (docs/trainer-megatron.md); timing is not asserted on a
+    # shared CPU.
     assert r["cost"]["forward"]["shadow_on_s"] > 0
