@@ -9,6 +9,16 @@ import pytest
 
 from routereplay.local_redis import redis_cluster, redis_server
 
+# Marks whose tests boot a real engine or Megatron: minutes each on a 2-core host, so they are
+# slow as well, and `pytest -m "not slow"` is the edit-test loop.
+_SLOW_MARKS = ("vllm", "megatron")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.get_closest_marker(m) for m in _SLOW_MARKS):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:

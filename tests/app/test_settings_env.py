@@ -226,6 +226,7 @@ print(sorted(os.sched_getaffinity(0)), manager.cpu_lists[0])
     shutil.which("taskset") is None or len(os.sched_getaffinity(0)) < 2,
     reason="needs taskset and two cores",
 )
+@pytest.mark.slow  # starts a CPU engine worker
 @pytest.mark.parametrize("cpu_bind", ["auto", None])
 def test_worker_cores_follow_the_affinity(cpu_bind: str | None) -> None:
     """Under `taskset -c CORE` (as under a cgroup cpuset) the engine's worker threads go to

@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 SCRIPT = Path(__file__).with_name("_hf_fsdp_check.py")
 
 
+@pytest.mark.slow  # two ranks, six model families
 def test_fsdp2_replay() -> None:
     p = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SCRIPT),

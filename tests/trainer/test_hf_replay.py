@@ -296,6 +296,7 @@ def test_older_router_layouts_are_refused() -> None:
         HFRouterReplayer(model)
 
 
+@pytest.mark.slow  # compiles the model: 15-25 s each
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_torch_compile_replays(backend: str) -> None:
     # The hooks run eagerly between the compiled graphs: every call replays its own targets.
