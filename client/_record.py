@@ -289,13 +289,7 @@ class RouteRecord:
             )
         dt = expert_dtype(num_experts)
         routed = arr[:, list(moe), :]
-        # Check before the cast: a narrowing cast would wrap -1 to 255 and 300 to 44 silently.
-        if routed.size and (routed.min() < 0 or routed.max() >= num_experts):
-            bad = routed.min() if routed.min() < 0 else routed.max()
-            raise RouteShapeError(
-                f"routed_experts holds expert id {int(bad)}, outside [0, {num_experts})"
-            )
-        _check_distinct(routed)
+        _check_engine_ids(routed, num_experts)
         experts = np.zeros((T, len(moe), arr.shape[2]), dtype=dt)
         experts[row_start : row_start + R] = routed
         valid = np.zeros(T, dtype=bool)
@@ -385,6 +379,18 @@ class RouteRecord:
             f"E={self.num_experts}, prompt_len={self.prompt_len}, "
             f"valid={int(self.valid.sum())}/{self.num_tokens}, model={self.model!r})"
         )
+
+
+def _check_engine_ids(routed: np.ndarray, num_experts: int) -> None:
+    """Every id of an engine's ``[R, M, K]`` rows is an expert, each row's ``K`` distinct."""
+    # Checked before the cast to the record's dtype: a narrowing cast would wrap -1 to 255 and
+    # 300 to 44 silently.
+    if routed.size and (routed.min() < 0 or routed.max() >= num_experts):
+        bad = routed.min() if routed.min() < 0 else routed.max()
+        raise RouteShapeError(
+            f"routed_experts holds expert id {int(bad)}, outside [0, {num_experts})"
+        )
+    _check_distinct(routed)
 
 
 def _check_distinct(routed: np.ndarray) -> None:

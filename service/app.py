@@ -101,6 +101,37 @@ async def _check_redis(store: AsyncRouteStore) -> None:
     log.info("Redis %s", ", ".join(sorted(set(versions))) or "version not readable (ACL)")
 
 
+def _open_store(settings: Settings, stack: contextlib.AsyncExitStack) -> AsyncRouteStore:
+    """The route store at ``settings.redis_url`` (without one, a private redis-server started
+    here), closed by ``stack``."""
+    url = settings.redis_url
+    if url is None:
+        from routereplay.local_redis import redis_server
+
+        from .ctrl_c import sigint_blocked
+
+        # Out of a Ctrl-C's reach like the engine: it stores routes while we drain.
+        with sigint_blocked():
+            url = stack.enter_context(redis_server(settings.local_redis_maxmemory))
+        log.info("no --redis-url: started a private redis-server")
+    # Where a trainer reads routes from (RouteStore.from_url), password redacted.
+    log.info("routes stored in %s (key prefix %r)", redact(url), settings.route_prefix)
+    st = AsyncRouteStore.from_url(
+        url, prefix=settings.route_prefix, ttl_s=settings.route_ttl_s,
+        block_size=settings.block_size,
+    )  # fmt: skip
+    stack.push_async_callback(st.close)
+    return st
+
+
+async def _start_backend(settings: Settings, stack: contextlib.AsyncExitStack) -> EngineBackend:
+    """The backend ``settings`` select, started, closed by ``stack``."""
+    be = make_backend(settings)
+    await be.start()
+    stack.push_async_callback(be.close)
+    return be
+
+
 @contextlib.asynccontextmanager
 async def _refusals(app: FastAPI) -> AsyncIterator[None]:
     """Keep a start-up refusal's one line in ``app.state.refused`` for ``routereplay serve``
@@ -172,31 +203,9 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with _refusals(app), contextlib.AsyncExitStack() as stack:
-            st = store
-            if st is None:
-                url = settings.redis_url
-                if url is None:
-                    from routereplay.local_redis import redis_server
-
-                    from .ctrl_c import sigint_blocked
-
-                    # Out of a Ctrl-C's reach like the engine: it stores routes while we drain.
-                    with sigint_blocked():
-                        url = stack.enter_context(redis_server(settings.local_redis_maxmemory))
-                    log.info("no --redis-url: started a private redis-server")
-                # Where a trainer reads routes from (RouteStore.from_url), password redacted.
-                log.info("routes stored in %s (key prefix %r)", redact(url), settings.route_prefix)
-                st = AsyncRouteStore.from_url(
-                    url, prefix=settings.route_prefix, ttl_s=settings.route_ttl_s,
-                    block_size=settings.block_size,
-                )  # fmt: skip
-                stack.push_async_callback(st.close)
+            st = store if store is not None else _open_store(settings, stack)
             await _check_redis(st)
-            be = backend
-            if be is None:
-                be = make_backend(settings)
-                await be.start()
-                stack.push_async_callback(be.close)
+            be = backend if backend is not None else await _start_backend(settings, stack)
             metrics.bind_queue_depth(be.num_unfinished)
             metrics.bind_engine(be.engine_metrics())
             app.state.service = ServiceState.build(settings, metrics, be, st, clock)

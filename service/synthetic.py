@@ -300,28 +300,7 @@ class SyntheticBackend(EngineBackend):
         check_engine_fields(r)
         weights = wants_route_weights(r, self.route_weights)
         prompt = render()
-        info = self.info
-        if len(prompt) >= info.max_model_len:
-            raise InvalidRequestError(
-                f"{field} has {len(prompt)} tokens; the model's context is "
-                f"{info.max_model_len} tokens",
-                param=field,
-            )
-        room = info.max_model_len - len(prompt)
-        max_tokens = r.requested_max_tokens or room
-        if max_tokens > room:
-            f = r.max_tokens_field
-            raise InvalidRequestError(
-                f"{f}={max_tokens} plus the prompt's {len(prompt)} tokens exceeds the model's "
-                f"context of {info.max_model_len} tokens (at most {room} allowed)",
-                param=f,
-            )
-        if r.routed_experts_prompt_start > len(prompt):
-            raise InvalidRequestError(
-                f"routed_experts_prompt_start={r.routed_experts_prompt_start} is beyond the "
-                f"prompt's {len(prompt)} tokens",
-                param="routed_experts_prompt_start",
-            )
+        max_tokens = self._max_tokens(r, prompt, field)
         greedy = r.temperature == 0
         if greedy and r.n > 1:
             raise InvalidRequestError(
@@ -390,6 +369,36 @@ class SyntheticBackend(EngineBackend):
         finally:
             self._running -= 1
             self._aborted.discard(req.request_id)
+
+    def _max_tokens(
+        self, r: ChatCompletionRequest | CompletionRequest, prompt: list[int], field: str
+    ) -> int:
+        """The tokens ``r`` may generate after ``prompt`` (its own max tokens, else the rest of
+        the context); refuses a prompt or a max tokens past the context, and a routed-experts
+        start past the prompt. ``field``: the request field the prompt came from."""
+        info = self.info
+        if len(prompt) >= info.max_model_len:
+            raise InvalidRequestError(
+                f"{field} has {len(prompt)} tokens; the model's context is "
+                f"{info.max_model_len} tokens",
+                param=field,
+            )
+        room = info.max_model_len - len(prompt)
+        max_tokens = r.requested_max_tokens or room
+        if max_tokens > room:
+            f = r.max_tokens_field
+            raise InvalidRequestError(
+                f"{f}={max_tokens} plus the prompt's {len(prompt)} tokens exceeds the model's "
+                f"context of {info.max_model_len} tokens (at most {room} allowed)",
+                param=f,
+            )
+        if r.routed_experts_prompt_start > len(prompt):
+            raise InvalidRequestError(
+                f"routed_experts_prompt_start={r.routed_experts_prompt_start} is beyond the "
+                f"prompt's {len(prompt)} tokens",
+                param="routed_experts_prompt_start",
+            )
+        return max_tokens
 
     def _finished(
         self,

@@ -412,18 +412,61 @@ def gather_targets(
         )
     layers = tuple(int(x) for x in layers)
     used = np.array([ri for ri in pmap.used_records.tolist() if records[ri] is not None], np.int32)
-    if num_experts is None or top_k is None:
-        # From any record, used or not: a rank's slice may be all padding.
-        present = [r for r in records if r is not None]
-        if not present:
-            raise RouteLayerMismatchError("no records given: pass num_experts and top_k")
-        r0 = records[int(used[0])] if used.size else present[0]
-        num_experts = r0.num_experts if num_experts is None else num_experts
-        top_k = r0.top_k if top_k is None else top_k
-    dt = expert_dtype(num_experts)
-    cols_of: dict[int, list[tuple[int, int, int]]] = {}
-    # record -> (first row of each part, the parts: a copy_runs source as they are)
-    parts_of: dict[int, tuple[tuple[int, ...], tuple[np.ndarray, ...]]] = {}
+    num_experts, top_k = _model_shape(records, used, num_experts, top_k)
+    sources = _record_sources(records, used, layers, num_experts, top_k)
+    if input_ids is not None:
+        pmap.check_tokens(records, input_ids)
+    # The batch-major rows are the output itself where no reorder follows: pinned there.
+    pin_here = pin_memory and (pmap.shape[0] == 1 or order == "batch")
+    out, pinned, valid, fillers = _gather_batch_major(
+        pmap, records, sources, len(layers), num_experts, top_k, pin_here, buffers
+    )
+    replay = _replay_mask(pmap, own_routing)
+    w_out = _gather_weights(pmap, records, used, layers, top_k, valid, replay) if weights else None
+    out, pinned, valid, replay, w_out = _in_order(
+        order, pmap.shape, out, pinned, valid, replay, w_out, pin_memory, buffers
+    )
+    return ReplayTargets(
+        layers, out, num_experts, fillers, valid, pinned, replay, weights=w_out,
+        batch_shape=pmap.shape, order=order,
+    )  # fmt: skip
+
+
+# A used record's source rows: the (output layer, record column) runs of the gathered layers, and
+# its layer-major parts (a copy_runs source as they are) with the first row of each.
+_Source = tuple[list[tuple[int, int, int]], tuple[int, ...], tuple[np.ndarray, ...]]
+
+
+def _model_shape(
+    records: Sequence[RouteRecord | None],
+    used: np.ndarray,
+    num_experts: int | None,
+    top_k: int | None,
+) -> tuple[int, int]:
+    """``(num_experts, top_k)``: as given, else the first used record's (any record's when
+    none is used)."""
+    if num_experts is not None and top_k is not None:
+        return num_experts, top_k
+    # From any record, used or not: a rank's slice may be all padding.
+    present = [r for r in records if r is not None]
+    if not present:
+        raise RouteLayerMismatchError("no records given: pass num_experts and top_k")
+    r0 = records[int(used[0])] if used.size else present[0]
+    return (
+        r0.num_experts if num_experts is None else num_experts,
+        r0.top_k if top_k is None else top_k,
+    )
+
+
+def _record_sources(
+    records: Sequence[RouteRecord | None],
+    used: np.ndarray,
+    layers: tuple[int, ...],
+    num_experts: int,
+    top_k: int,
+) -> dict[int, _Source]:
+    """Each used record's :data:`_Source`, checked against the model's shape and ``layers``."""
+    sources: dict[int, _Source] = {}
     runs_of_layout: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}  # records share one
     for ri in used.tolist():
         r = records[ri]
@@ -441,83 +484,117 @@ def gather_targets(
                     f"0-based); it covers {list(r.moe_layers)} of {r.num_layers} layers"
                 )
             runs = runs_of_layout[r.moe_layers] = _col_runs([r.moe_layers.index(x) for x in layers])
-        cols_of[ri] = runs
-        # A record read from a store is its chunks: copied from them straight into ``out``.
+        # A record read from a store is its chunks: copied from them straight into the output.
         # (layer_major_parts: consecutive from row 0, what the kernel's cuts rely on)
         parts = r.layer_major_parts()
-        parts_of[ri] = tuple(zip(*parts, strict=True)) if parts else ((), ())  # type: ignore[assignment]
-    if input_ids is not None:
-        pmap.check_tokens(records, input_ids)
+        firsts, arrs = tuple(zip(*parts, strict=True)) if parts else ((), ())
+        sources[ri] = (runs, firsts, arrs)
+    return sources
 
+
+def _gather_batch_major(
+    pmap: PositionMap,
+    records: Sequence[RouteRecord | None],
+    sources: dict[int, _Source],
+    M: int,
+    num_experts: int,
+    top_k: int,
+    pin_memory: bool,
+    buffers: TargetBuffers | None,
+) -> tuple[np.ndarray, torch.Tensor | None, np.ndarray, int]:
+    """``[M, B*S, K]`` batch-major ids of the mapped positions, fillers where no valid row of a
+    record is; the page-locked tensor they are in (with ``pin_memory``, else None);
+    ``[B*S]`` bool, the rows routed; and how many rows are fillers."""
     B, S = pmap.shape
     N = B * S
-    M = len(layers)
+    dt = expert_dtype(num_experts)
     # Batch-major output first: runs of consecutive rows are long there; reordered at the end
-    # (into the page-locked output, when B > 1: this one is then only scratch).
-    pinned = _empty(M * N * top_k, dt, pin_memory and B == 1)
+    # into the page-locked output where the order asks for it (this one is then only scratch).
+    pinned = _empty(M * N * top_k, dt, pin_memory)
     out = (
         pinned.numpy() if pinned is not None else _host_empty(M * N * top_k, dt, buffers)
     ).reshape(M, N, top_k)
-    rec = pmap.record.reshape(-1)
-    tok = pmap.token.reshape(-1)
-    routed = np.zeros(N, bool)  # positions given a valid row of a record, set as they are copied
-    if N:
-        spans = pmap.runs
-
-        def copy(lo: int, hi: int) -> None:
-            """Copy the rows of output positions ``lo..hi`` (cutting the runs there)."""
-            i = bisect.bisect_right(spans, (lo, N)) - 1
-            for s, e in spans[max(i, 0) :]:
-                s, e = max(s, lo), min(e, hi)
-                if s >= hi:
-                    break
-                if s >= e:
-                    continue
-                ri = int(rec[s])
-                if ri not in parts_of:
-                    continue  # a missing record: fillers
-                firsts, arrs = parts_of[ri]
-                t0, t1 = int(tok[s]), int(tok[s]) + (e - s)
-                routed[s:e] = records[ri].valid[t0:t1]
-                _copy_cuts(out, cols_of[ri], _cuts(firsts, arrs, t0, t1), s, e)
-
-        _run_split(copy, N, out.nbytes)
+    routed = _copy_routes(out, pmap, records, sources)
     # Fillers: no route, or a row the record marks invalid (zeros there would pass for expert 0).
-    none = ~routed
-    fill_idx = np.flatnonzero(none)
+    fill_idx = np.flatnonzero(~routed)
     if fill_idx.size:
         out[:, fill_idx] = filler_experts(
             pmap.position.reshape(-1)[fill_idx], num_experts, top_k, dt
         )[None]
-    valid = ~none
-    replay = _replay_mask(pmap, own_routing)
-    w_out = None
-    if weights:
-        # Own-routing rows keep the router's probabilities: their records need no weights.
-        rows = valid if replay is None else valid & replay
-        w_out = _gather_weights(pmap, records, used, layers, top_k, rows)
+    pinned = None if pinned is None else pinned.view(M, N, top_k)
+    return out, pinned, routed, int(fill_idx.size)
+
+
+def _copy_routes(
+    out: np.ndarray,
+    pmap: PositionMap,
+    records: Sequence[RouteRecord | None],
+    sources: dict[int, _Source],
+) -> np.ndarray:
+    """Copy the records' rows of the mapped positions into batch-major ``out`` ``[M, B*S, K]``;
+    returns ``[B*S]`` bool, the positions given a valid row of a record."""
+    N = out.shape[1]
+    rec = pmap.record.reshape(-1)
+    tok = pmap.token.reshape(-1)
+    routed = np.zeros(N, bool)  # set as they are copied
+    if not N:
+        return routed
+    spans = pmap.runs
+
+    def copy(lo: int, hi: int) -> None:
+        """Copy the rows of output positions ``lo..hi`` (cutting the runs there)."""
+        i = bisect.bisect_right(spans, (lo, N)) - 1
+        for s, e in spans[max(i, 0) :]:
+            s, e = max(s, lo), min(e, hi)
+            if s >= hi:
+                break
+            if s >= e:
+                continue
+            ri = int(rec[s])
+            if ri not in sources:
+                continue  # a missing record: fillers
+            cols, firsts, arrs = sources[ri]
+            t0, t1 = int(tok[s]), int(tok[s]) + (e - s)
+            routed[s:e] = records[ri].valid[t0:t1]
+            _copy_cuts(out, cols, _cuts(firsts, arrs, t0, t1), s, e)
+
+    _run_split(copy, N, out.nbytes)
+    return routed
+
+
+def _in_order(
+    order: RowOrder,
+    shape: tuple[int, int],
+    out: np.ndarray,
+    pinned: torch.Tensor | None,
+    valid: np.ndarray,
+    replay: np.ndarray | None,
+    weights: np.ndarray | None,
+    pin_memory: bool,
+    buffers: TargetBuffers | None,
+) -> tuple[np.ndarray, torch.Tensor | None, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """The batch-major rows of a ``shape`` = ``(B, S)`` map (ids, their page-locked tensor,
+    valid, replay mask, weights) in ``order``: as they are, or copied sequence-major."""
     if order not in ("sequence", "batch"):
         raise ValueError(f"order must be 'sequence' or 'batch', not {order!r}")
-    if B > 1 and order == "sequence":
-        # [M, B, S, K] -> [M, S, B, K]: Megatron's router flattens [S, B] sequence-major
-        by_seq = out.reshape(M, B, S, top_k).transpose(0, 2, 1, 3)
-        pinned = _empty(M * N * top_k, dt, pin_memory)
-        # Into a second buffer (from the pool, the scratch's going back to it with ``by_seq``).
-        flat = pinned.numpy() if pinned is not None else _host_empty(M * N * top_k, dt, buffers)
-        np.copyto(flat.reshape(M, S, B, top_k), by_seq)
-        out = flat.reshape(M, N, top_k)
-        valid = np.ascontiguousarray(valid.reshape(B, S).T).reshape(N)
-        if replay is not None:
-            replay = np.ascontiguousarray(replay.reshape(B, S).T).reshape(N)
-        if w_out is not None:
-            w_out = np.ascontiguousarray(w_out.reshape(M, B, S, top_k).transpose(0, 2, 1, 3))
-            w_out = w_out.reshape(M, N, top_k)
-    if pinned is not None:
-        pinned = pinned.view(M, N, top_k)
-    return ReplayTargets(
-        layers, out, num_experts, int(fill_idx.size), valid, pinned, replay, weights=w_out,
-        batch_shape=(B, S), order=order,
-    )  # fmt: skip
+    B, S = shape
+    if B == 1 or order == "batch":
+        return out, pinned, valid, replay, weights
+    M, N, K = out.shape
+    # [M, B, S, K] -> [M, S, B, K]: Megatron's router flattens [S, B] sequence-major
+    by_seq = out.reshape(M, B, S, K).transpose(0, 2, 1, 3)
+    pinned = _empty(M * N * K, out.dtype, pin_memory)
+    # Into a second buffer (from the pool, the scratch's going back to it with ``by_seq``).
+    flat = pinned.numpy() if pinned is not None else _host_empty(M * N * K, out.dtype, buffers)
+    np.copyto(flat.reshape(M, S, B, K), by_seq)
+    valid = np.ascontiguousarray(valid.reshape(B, S).T).reshape(N)
+    if replay is not None:
+        replay = np.ascontiguousarray(replay.reshape(B, S).T).reshape(N)
+    if weights is not None:
+        weights = np.ascontiguousarray(weights.reshape(M, B, S, K).transpose(0, 2, 1, 3))
+        weights = weights.reshape(M, N, K)
+    pinned = None if pinned is None else pinned.view(M, N, K)
+    return flat.reshape(M, N, K), pinned, valid, replay, weights
 
 
 def _gather_weights(
@@ -527,10 +604,13 @@ def _gather_weights(
     layers: tuple[int, ...],
     top_k: int,
     valid: np.ndarray,
+    replay: np.ndarray | None,
 ) -> np.ndarray:
     """``[M, B*S, K]`` float32 batch-major engine weights of the mapped positions; 0 where
-    ``valid`` (batch-major: real routes that replay) is False. Raises
-    :class:`MissingWeightsError` for a record without them that ``valid`` rows read."""
+    ``valid`` (batch-major: real routes) or ``replay`` (the replay mask) is False. Raises
+    :class:`MissingWeightsError` for a record without them that such rows read."""
+    # Own-routing rows keep the router's probabilities: their records need no weights.
+    valid = valid if replay is None else valid & replay
     rec = pmap.record.reshape(-1)
     tok = pmap.token.reshape(-1)
     out = np.zeros((len(layers), rec.size, top_k), np.float32)

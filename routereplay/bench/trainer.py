@@ -29,9 +29,16 @@ import json
 import os
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from routereplay.client import RouteRecord, RouteStore
+    from routereplay.trainer_adapter import PositionMap, ReplayTargets
 
 __all__ = ["main"]
 
@@ -149,17 +156,12 @@ def _timeit_pair(
 
 
 def run(url: str, args) -> dict:
+    """Store the bench batch's records at ``url``, time their preparation for a training step
+    (each stage, end to end, against the peer path and the floor), and return the numbers."""
     import torch
 
-    from routereplay.bench.store import vllm_inline
-    from routereplay.client import RouteRecord, RouteStore
-    from routereplay.trainer_adapter import (
-        ReplayTargets,
-        TargetBuffers,
-        gather_targets,
-        sample_from_record,
-        thd_position_map,
-    )
+    from routereplay.client import RouteStore
+    from routereplay.trainer_adapter import ReplayTargets
 
     torch.set_num_threads(1)
     rng = np.random.default_rng(args.seed)
@@ -169,204 +171,333 @@ def run(url: str, args) -> dict:
     store = RouteStore.from_url(
         url, prefix="rrbench", decode_threads=args.decode_threads, block_size=args.block_size
     )
-    t0 = time.perf_counter()
-    for i, r in zip(ids, records, strict=True):
-        store.put(i, r)
-    put_s = time.perf_counter() - t0
-    # The trainer's own packed token ids (from its dataset, not from the store).
-    lens = np.array([r.num_tokens for r in records])
-    cu = np.concatenate([[0], np.cumsum(lens)])
-    input_ids = np.concatenate([r.token_ids for r in records])[None, :]
-    layers = tuple(range(args.layers))
-
-    def fetch():
-        return store.get_many(ids)
-
-    def align(recs):
-        pm = thd_position_map([sample_from_record(i, r) for i, r in enumerate(recs)], cu)
-        pm.check_tokens(recs, input_ids)
-        return pm
-
-    # The targets' memory is recycled from step to step (TargetBuffers), as the floor reuses
-    # its buffer and the pinned path reuses torch's page-locked blocks: fresh pages cost a
-    # fault and zeroing each (the "fresh target memory" line measures that path too).
-    buffers = TargetBuffers(keep=4)  # the targets kept below for the checks hold one each
-
-    def targets(
-        pm, recs, cp=1, tp=1, cp_rank=0, tp_rank=0, pin_memory=False, fresh=False
-    ) -> ReplayTargets:
-        local = pm.local(cp_size=cp, cp_rank=cp_rank, tp_size=tp, tp_rank=tp_rank)
-        pool = None if pin_memory or fresh else buffers
-        return gather_targets(local, recs, layers, pin_memory=pin_memory, buffers=pool)
-
-    def gather(pm, recs, **kw):
-        return torch.from_numpy(targets(pm, recs, **kw).experts)
-
-    fetch_s, recs = _timeit(fetch, args.repeat)
-    align_s, pm = _timeit(lambda: align(recs), args.repeat)
-    gather_s, t = _timeit(lambda: gather(pm, recs), args.repeat)
-
-    def prepare(_step: object = None):
-        r = fetch()
-        return gather(align(r), r)
-
-    # Floor: the same stored bytes read from Redis (both round trips) and copied once, into a
-    # buffer reused from call to call. Not a fresh bytes object: past glibc's largest
-    # heap-served size (32 MiB) that is fresh pages each time, and the floor's copy then cost
-    # 0.024 s for the skewed workload's 40 MB instead of 0.004 s (32 MB of progression rows
-    # stayed under it), a floor that moved with the workload for no reason of Redis's.
-    floor_buf = [np.empty(0, np.uint8)]
-
-    def floor():
-        raw = store.get_raw(ids)
-        stored = [*raw.manifests.values(), *(c for c in raw.chunks.values() if c)]
-        n = sum(map(len, stored))
-        if floor_buf[0].size < n:
-            floor_buf[0] = np.empty(n, np.uint8)
-        blob = floor_buf[0][:n]
-        np.concatenate([np.frombuffer(b, np.uint8) for b in stored], out=blob)
-        return raw, blob
-
-    e2e_s, _, floor_s, (raw, blob) = _timeit_pair(prepare, floor, args.repeat)
-    # CPU per step of both, this process's and the redis-server's: on a machine with few cores
-    # the wall-time ratio cannot go below what that CPU spread over every core takes.
-    cpu_ours, cpu_ours_redis = _cpu_per_call(prepare, args.repeat, store.redis)
-    cpu_floor, cpu_floor_redis = _cpu_per_call(floor, args.repeat, store.redis)
-    cpus = _usable_cpus()
-    # The bound holds only where the redis-server runs on this machine's cores: a loopback URL.
-    local_server = urlsplit(url).hostname in ("127.0.0.1", "localhost", "::1")
-    cpu_bound_s = (
-        (cpu_ours + cpu_ours_redis) / cpus if cpu_ours_redis is not None and local_server else None
+    m: dict[str, Any] = {"tokens": n_tokens, "records": len(records), "groups": groups}
+    m["put_s"] = _put(store, ids, records)
+    steps = _Steps(store, ids, records, args.layers, args.step_device)
+    m["fetch_decode_s"], recs = _timeit(steps.fetch, args.repeat)
+    m["align_check_s"], pm = _timeit(lambda: steps.align(recs), args.repeat)
+    m["gather_to_torch_s"], t = _timeit(lambda: steps.gather(pm, recs), args.repeat)
+    floor = _Floor(store, ids)
+    m["end_to_end_s"], _, m["floor_redis_get_copy_s"], (raw, blob) = _timeit_pair(
+        steps.prepare, floor, args.repeat
     )
-    e2e_fresh_s, t_fresh = _timeit(lambda: gather(align(r := fetch()), r, fresh=True), args.repeat)
-    # The same preparation with the chunks decoded on the calling thread only.
-    serial_store = RouteStore.from_url(
-        url, prefix="rrbench", decode_threads=1, block_size=args.block_size
+    m |= _cpu_per_step(steps.prepare, floor, args.repeat, store.redis, url)
+    m["end_to_end_fresh_targets_s"], t_fresh = _timeit(
+        lambda: steps.prepare(fresh=True), args.repeat
     )
-    e2e1_s, t1 = _timeit(lambda: gather(align(r := serial_store.get_many(ids)), r), args.repeat)
-    serial_store.close()
+    m["end_to_end_one_thread_s"], t1 = _one_decode_thread(url, args.block_size, steps, args.repeat)
     assert tuple(t.shape) == (args.layers, n_tokens, args.topk), t.shape
-    # One rank of TP=2 x SP (half the rows) and of CP=2 (zigzag): the per-rank gather cost.
-    pad = (-n_tokens) % 4
-    cu_p = cu.copy()
-    cu_p[-1] += pad  # pad the pack so it splits evenly
-    pm_p = thd_position_map(
-        [sample_from_record(i, r) for i, r in enumerate(recs)], cu, cu_seqlens_padded=cu_p
-    )
-    sp_s, _ = _timeit(lambda: gather(pm_p, recs, tp=2, tp_rank=1), args.repeat)
+    m["tp2_sp_rank_gather_s"], _ = _tp2_sp_rank_gather(steps, recs, n_tokens, args.repeat)
 
     # -- baselines in the same run ---------------------------------------------------------------
-    # Peer path (verl, ART): routes arrive inline in the OpenAI response as base64 of an .npy of
-    # [T-1, num_layers, K]; the trainer parses the JSON, decodes base64 and the .npy, pads the
-    # last token, then aligns and gathers exactly as above.
-    bodies = [
-        json.dumps({"choices": [{"index": 0, "routed_experts": vllm_inline(r).decode()}]})
-        for r in records
-    ]
-
-    def peer():
-        out = []
-        for body, r in zip(bodies, records, strict=True):
-            arr = np.load(
-                io.BytesIO(base64.b64decode(json.loads(body)["choices"][0]["routed_experts"]))
-            )
-            ex = np.concatenate([arr, np.zeros((1, *arr.shape[1:]), arr.dtype)])
-            valid = np.ones(len(ex), bool)
-            valid[-1] = False
-            out.append(RouteRecord(token_ids=r.token_ids, experts=ex, valid=valid,
-                                   moe_layers=r.moe_layers, num_layers=r.num_layers,
-                                   num_experts=r.num_experts, prompt_len=r.prompt_len))  # fmt: skip
-        return gather(align(out), out)
-
-    peer_s, t_peer = _timeit(peer, args.repeat)
+    # Peer path (verl, ART): the routes inline in the OpenAI response, parsed by the trainer,
+    # which then aligns and gathers exactly as above.
+    bodies = _peer_bodies(records)
+    m["peer_inline_json_s"], t_peer = _timeit(
+        lambda: steps.gather(steps.align(p := _peer_records(bodies, records)), p), args.repeat
+    )
     assert torch.equal(t_peer, t), "the peer path gathered other targets"
     assert torch.equal(t1, t), "one decode thread gathered other targets"
     assert torch.equal(t_fresh, t), "fresh target memory gathered other targets"
     del t_fresh, t_peer, t1  # their buffers go back to the pool for the steps below
 
     # -- a training step: time added with and without prefetch ----------------------------------
-    # The training step: on a GPU the step's targets are gathered into page-locked memory where
-    # they are prepared (gather_targets(pin_memory=True), in the Prefetcher's thread), and
-    # installed (ReplayTargets.to_torch, what the replayer does) on the step's thread.
-    on_gpu = args.step_device != "cpu"
-
-    def prepare_step(_step: object = None) -> ReplayTargets:
-        r = fetch()
-        return targets(align(r), r, pin_memory=on_gpu)
-
-    def install(tg: ReplayTargets) -> object:
-        return tg.to_torch(args.step_device) if on_gpu else tg
-
     install_s = install_pageable_s = e2e_pinned_s = None
-    if on_gpu:
+    if steps.on_gpu:
         # What a trainer on a GPU host prepares (gather_targets(pin_memory=True), the path the
         # docs recommend with Prefetcher): the targets land in the caching host allocator's
         # page-locked blocks, reused from step to step, instead of fresh pageable pages.
-        e2e_pinned_s, _ = _timeit(prepare_step, args.repeat)
-
-        def timed_install(tg: ReplayTargets) -> float:
-            best = float("inf")
-            for _ in range(args.repeat):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                install(tg)  # the thread's share; the copy runs on the GPU's stream
-                best = min(best, time.perf_counter() - t0)
-            torch.cuda.synchronize()
-            return best
-
-        pinned = prepare_step()
-        install_s = timed_install(pinned)
+        e2e_pinned_s, _ = _timeit(steps.prepare_step, args.repeat)
+        pinned = steps.prepare_step()
+        install_s = _timed_install(steps.install, pinned, args.repeat)
         pageable = ReplayTargets(pinned.layers, pinned.experts.copy(), pinned.num_experts)
-        install_pageable_s = timed_install(pageable)
+        install_pageable_s = _timed_install(steps.install, pageable, args.repeat)
         assert torch.equal(pinned.to_torch(args.step_device).cpu(), t.to(torch.int64))
-    step = (
-        _step_overhead(prepare_step, install, args.step_s, args.steps, args.step_device)
+    m["step"] = (
+        _step_overhead(steps.prepare_step, steps.install, args.step_s, args.steps, args.step_device)
         if args.step_s > 0
         else {}
     )
     store.close()
-    return {
-        "tokens": n_tokens,
-        "records": len(records),
-        "block_size": args.block_size,
+    m |= {
+        "install_on_gpu_s": install_s,
+        "install_on_gpu_pageable_s": install_pageable_s,
+        "end_to_end_pinned_s": e2e_pinned_s,
+        "decode_threads": store.decode_threads,
         "chunks_read": len(raw.chunks),
-        "groups": groups,
+        "raw_mb": n_tokens * args.layers * args.topk * t.element_size() / 1e6,
+        "stored_mb": len(blob) / 1e6,
+        "peer_inline_mb": sum(len(b) for b in bodies) / 1e6,
+    }
+    return _results(m, args)
+
+
+def _results(m: dict[str, Any], args: argparse.Namespace) -> dict:
+    """The measurements ``m`` of :func:`run`, with the shape from ``args`` and the rates and
+    ratios derived from them, in the order ``--json`` prints them."""
+    n, e2e, e2e1 = m["tokens"], m["end_to_end_s"], m["end_to_end_one_thread_s"]
+    peer_s, floor_s = m["peer_inline_json_s"], m["floor_redis_get_copy_s"]
+    pinned_s, bound_s = m["end_to_end_pinned_s"], m["cpu_bound_s"]
+    return {
+        "tokens": n,
+        "records": m["records"],
+        "block_size": args.block_size,
+        "chunks_read": m["chunks_read"],
+        "groups": m["groups"],
         "routes": args.routes,
         "layers": args.layers,
         "experts": args.experts,
         "top_k": args.topk,
-        "raw_mb": n_tokens * args.layers * args.topk * t.element_size() / 1e6,
-        "put_s": put_s,
-        "fetch_decode_s": fetch_s,
-        "align_check_s": align_s,
-        "gather_to_torch_s": gather_s,
-        "decode_threads": store.decode_threads,
-        "end_to_end_s": e2e_s,
-        "end_to_end_tokens_per_s": n_tokens / e2e_s,
-        "end_to_end_one_thread_s": e2e1_s,
-        "end_to_end_fresh_targets_s": e2e_fresh_s,
-        "tp2_sp_rank_gather_s": sp_s,
-        "install_on_gpu_s": install_s,
-        "install_on_gpu_pageable_s": install_pageable_s,
-        "end_to_end_pinned_s": e2e_pinned_s,
-        "ours_pinned_over_floor": None if e2e_pinned_s is None else e2e_pinned_s / floor_s,
+        "raw_mb": m["raw_mb"],
+        "put_s": m["put_s"],
+        "fetch_decode_s": m["fetch_decode_s"],
+        "align_check_s": m["align_check_s"],
+        "gather_to_torch_s": m["gather_to_torch_s"],
+        "decode_threads": m["decode_threads"],
+        "end_to_end_s": e2e,
+        "end_to_end_tokens_per_s": n / e2e,
+        "end_to_end_one_thread_s": e2e1,
+        "end_to_end_fresh_targets_s": m["end_to_end_fresh_targets_s"],
+        "tp2_sp_rank_gather_s": m["tp2_sp_rank_gather_s"],
+        "install_on_gpu_s": m["install_on_gpu_s"],
+        "install_on_gpu_pageable_s": m["install_on_gpu_pageable_s"],
+        "end_to_end_pinned_s": pinned_s,
+        "ours_pinned_over_floor": None if pinned_s is None else pinned_s / floor_s,
         "peer_inline_json_s": peer_s,
         "floor_redis_get_copy_s": floor_s,
-        "stored_mb": len(blob) / 1e6,
-        "peer_inline_mb": sum(len(b) for b in bodies) / 1e6,
-        "peer_over_ours": peer_s / e2e_s,
-        "ours_over_floor": e2e_s / floor_s,
+        "stored_mb": m["stored_mb"],
+        "peer_inline_mb": m["peer_inline_mb"],
+        "peer_over_ours": peer_s / e2e,
+        "ours_over_floor": e2e / floor_s,
+        "cpu_ours_process_s": m["cpu_ours_process_s"],
+        "cpu_ours_redis_s": m["cpu_ours_redis_s"],
+        "cpu_floor_process_s": m["cpu_floor_process_s"],
+        "cpu_floor_redis_s": m["cpu_floor_redis_s"],
+        "cpus": m["cpus"],
+        "cpu_bound_s": bound_s,
+        "cpu_bound_over_floor": None if bound_s is None else bound_s / floor_s,
+        "peer_over_ours_one_thread": peer_s / e2e1,
+        "ours_one_thread_over_floor": e2e1 / floor_s,
+        **m["step"],
+    }
+
+
+class _Steps:
+    """A trainer rank's route preparation for the bench's packed batch, stage by stage: fetch
+    and decode the records from ``store``, build and check the position map, gather the
+    targets; and a training step's: its targets prepared, then installed on ``device``."""
+
+    def __init__(
+        self,
+        store: RouteStore,
+        ids: list[str],
+        records: list[RouteRecord],
+        layers: int,
+        device: str,
+    ) -> None:
+        from routereplay.trainer_adapter import TargetBuffers
+
+        self.store = store
+        self.ids = ids
+        # The trainer's own packed token ids (from its dataset, not from the store).
+        lens = np.array([r.num_tokens for r in records])
+        self.cu = np.concatenate([[0], np.cumsum(lens)])
+        self.input_ids = np.concatenate([r.token_ids for r in records])[None, :]
+        self.layers = tuple(range(layers))
+        self.device = device
+        self.on_gpu = device != "cpu"
+        # The targets' memory is recycled from step to step (TargetBuffers), as the floor reuses
+        # its buffer and the pinned path reuses torch's page-locked blocks: fresh pages cost a
+        # fault and zeroing each (the "fresh target memory" line measures that path too).
+        self.buffers = TargetBuffers(keep=4)  # the targets run keeps for its checks hold one each
+
+    def fetch(self) -> list[RouteRecord]:
+        return self.store.get_many(self.ids)
+
+    def align(self, recs: list[RouteRecord]) -> PositionMap:
+        from routereplay.trainer_adapter import sample_from_record, thd_position_map
+
+        pm = thd_position_map([sample_from_record(i, r) for i, r in enumerate(recs)], self.cu)
+        pm.check_tokens(recs, self.input_ids)
+        return pm
+
+    def targets(
+        self,
+        pm: PositionMap,
+        recs: list[RouteRecord],
+        cp: int = 1,
+        tp: int = 1,
+        cp_rank: int = 0,
+        tp_rank: int = 0,
+        pin_memory: bool = False,
+        fresh: bool = False,
+    ) -> ReplayTargets:
+        from routereplay.trainer_adapter import gather_targets
+
+        local = pm.local(cp_size=cp, cp_rank=cp_rank, tp_size=tp, tp_rank=tp_rank)
+        pool = None if pin_memory or fresh else self.buffers
+        return gather_targets(local, recs, self.layers, pin_memory=pin_memory, buffers=pool)
+
+    def gather(self, pm: PositionMap, recs: list[RouteRecord], **kw: Any) -> torch.Tensor:
+        import torch
+
+        return torch.from_numpy(self.targets(pm, recs, **kw).experts)
+
+    def prepare(self, _step: object = None, *, fresh: bool = False) -> torch.Tensor:
+        """End to end: fetch, align, gather (into fresh memory with ``fresh``)."""
+        r = self.fetch()
+        return self.gather(self.align(r), r, fresh=fresh)
+
+    def prepare_step(self, _step: object = None) -> ReplayTargets:
+        """A training step's targets: on a GPU gathered into page-locked memory where they are
+        prepared (gather_targets(pin_memory=True), in the Prefetcher's thread)."""
+        r = self.fetch()
+        return self.targets(self.align(r), r, pin_memory=self.on_gpu)
+
+    def install(self, tg: ReplayTargets) -> object:
+        """On the step's thread, what the replayer does (ReplayTargets.to_torch); nothing on a
+        CPU."""
+        return tg.to_torch(self.device) if self.on_gpu else tg
+
+
+class _Floor:
+    """The floor: the same stored bytes read from Redis (both round trips) and copied once, into
+    a buffer reused from call to call."""
+
+    def __init__(self, store: RouteStore, ids: list[str]) -> None:
+        self.store = store
+        self.ids = ids
+        # Not a fresh bytes object each call: past glibc's largest heap-served size (32 MiB)
+        # that is fresh pages each time, and the floor's copy then cost 0.024 s for the skewed
+        # workload's 40 MB instead of 0.004 s (32 MB of progression rows stayed under it), a
+        # floor that moved with the workload for no reason of Redis's.
+        self.buf = np.empty(0, np.uint8)
+
+    def __call__(self) -> tuple[object, np.ndarray]:
+        raw = self.store.get_raw(self.ids)
+        stored = [*raw.manifests.values(), *(c for c in raw.chunks.values() if c)]
+        n = sum(map(len, stored))
+        if self.buf.size < n:
+            self.buf = np.empty(n, np.uint8)
+        blob = self.buf[:n]
+        np.concatenate([np.frombuffer(b, np.uint8) for b in stored], out=blob)
+        return raw, blob
+
+
+def _put(store: RouteStore, ids: list[str], records: list[RouteRecord]) -> float:
+    """Seconds to store ``records`` under ``ids`` (setup, not per step)."""
+    t0 = time.perf_counter()
+    for i, r in zip(ids, records, strict=True):
+        store.put(i, r)
+    return time.perf_counter() - t0
+
+
+def _cpu_per_step(
+    prepare: Callable[[], object],
+    floor: Callable[[], object],
+    repeat: int,
+    client: object,
+    url: str,
+) -> dict[str, Any]:
+    """CPU per step of ours (``prepare``) and of the floor, this process's and the redis-server's
+    (:func:`_cpu_per_call`), the usable CPUs, and the least wall time ours needs on them."""
+    # On a machine with few cores the wall-time ratio cannot go below what that CPU spread over
+    # every core takes.
+    cpu_ours, cpu_ours_redis = _cpu_per_call(prepare, repeat, client)
+    cpu_floor, cpu_floor_redis = _cpu_per_call(floor, repeat, client)
+    cpus = _usable_cpus()
+    # The bound holds only where the redis-server runs on this machine's cores: a loopback URL.
+    local_server = urlsplit(url).hostname in ("127.0.0.1", "localhost", "::1")
+    cpu_bound_s = (
+        (cpu_ours + cpu_ours_redis) / cpus if cpu_ours_redis is not None and local_server else None
+    )
+    return {
         "cpu_ours_process_s": cpu_ours,
         "cpu_ours_redis_s": cpu_ours_redis,
         "cpu_floor_process_s": cpu_floor,
         "cpu_floor_redis_s": cpu_floor_redis,
         "cpus": cpus,
         "cpu_bound_s": cpu_bound_s,
-        "cpu_bound_over_floor": None if cpu_bound_s is None else cpu_bound_s / floor_s,
-        "peer_over_ours_one_thread": peer_s / e2e1_s,
-        "ours_one_thread_over_floor": e2e1_s / floor_s,
-        **step,
     }
+
+
+def _one_decode_thread(
+    url: str, block_size: int, steps: _Steps, repeat: int
+) -> tuple[float, object]:
+    """The preparation end to end with the chunks decoded on the calling thread only (a second
+    store, ``decode_threads=1``): best seconds of ``repeat``, and the last targets."""
+    from routereplay.client import RouteStore
+
+    serial_store = RouteStore.from_url(
+        url, prefix="rrbench", decode_threads=1, block_size=block_size
+    )
+    timed = _timeit(
+        lambda: steps.gather(steps.align(r := serial_store.get_many(steps.ids)), r), repeat
+    )
+    serial_store.close()
+    return timed
+
+
+def _tp2_sp_rank_gather(
+    steps: _Steps, recs: list[RouteRecord], n_tokens: int, repeat: int
+) -> tuple[float, object]:
+    """The gather of one rank of TP=2 x SP (half the rows): best seconds of ``repeat``, and the
+    last targets."""
+    from routereplay.trainer_adapter import sample_from_record, thd_position_map
+
+    pad = (-n_tokens) % 4
+    cu_p = steps.cu.copy()
+    cu_p[-1] += pad  # pad the pack so it splits evenly
+    pm_p = thd_position_map(
+        [sample_from_record(i, r) for i, r in enumerate(recs)], steps.cu, cu_seqlens_padded=cu_p
+    )
+    return _timeit(lambda: steps.gather(pm_p, recs, tp=2, tp_rank=1), repeat)
+
+
+def _peer_bodies(records: list[RouteRecord]) -> list[str]:
+    """Each record as the peer path (verl, ART) receives it: inline in the OpenAI response, as
+    base64 of an .npy of ``[T-1, num_layers, K]``."""
+    from routereplay.bench.store import vllm_inline
+
+    return [
+        json.dumps({"choices": [{"index": 0, "routed_experts": vllm_inline(r).decode()}]})
+        for r in records
+    ]
+
+
+def _peer_records(bodies: list[str], records: list[RouteRecord]) -> list[RouteRecord]:
+    """The peer path's records from ``bodies``: the JSON parsed, the base64 and the .npy
+    decoded, the last token padded."""
+    from routereplay.client import RouteRecord
+
+    out = []
+    for body, r in zip(bodies, records, strict=True):
+        arr = np.load(
+            io.BytesIO(base64.b64decode(json.loads(body)["choices"][0]["routed_experts"]))
+        )
+        ex = np.concatenate([arr, np.zeros((1, *arr.shape[1:]), arr.dtype)])
+        valid = np.ones(len(ex), bool)
+        valid[-1] = False
+        out.append(RouteRecord(token_ids=r.token_ids, experts=ex, valid=valid,
+                               moe_layers=r.moe_layers, num_layers=r.num_layers,
+                               num_experts=r.num_experts, prompt_len=r.prompt_len))  # fmt: skip
+    return out
+
+
+def _timed_install(
+    install: Callable[[ReplayTargets], object], tg: ReplayTargets, repeat: int
+) -> float:
+    """Best of ``repeat`` installs of ``tg`` on the GPU, as the step's thread sees them."""
+    import torch
+
+    best = float("inf")
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        install(tg)  # the thread's share; the copy runs on the GPU's stream
+        best = min(best, time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return best
 
 
 def _compute(seconds: float, device: str = "cpu") -> None:

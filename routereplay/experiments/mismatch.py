@@ -32,7 +32,7 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -220,7 +220,7 @@ def run_trainer(
     from routereplay.trainer_adapter import RouterReplayer, batch_coverage, gather_targets
 
     from . import bridge
-    from .packing import Pack, PackedAttention
+    from .packing import PackedAttention
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[rollouts["dtype"]]
     dev = torch.device(device)
@@ -230,12 +230,7 @@ def run_trainer(
     bridge.init_megatron(dev)
     theta = bridge._rope_theta(hf_cfg)
 
-    pack = Pack(records)
-    for i, it in enumerate(items):
-        if it["kind"] == "single":
-            pack.add_sequence(i)
-    pack.add_group([i for i, it in enumerate(items) if it["kind"] == "group"])
-    pack.add_trajectory([i for i, it in enumerate(items) if it["kind"] == "turn"])
+    pack = _pack(records, items)
     pm = pack.position_map()
     ids = pack.input_ids()
     pm.check_tokens(records, ids)
@@ -250,12 +245,7 @@ def run_trainer(
     trainer_lps: dict[str, np.ndarray] = {}
     for name, replay, router_dtype, weights in _variants(records, router_fp32):
         if (router_dtype, weights) not in models:
-            extra = {"moe_router_dtype": router_dtype} if router_dtype else {}
-            m = bridge.build_model(
-                hf_cfg, device=dev, dtype=dtype, core_attention=PackedAttention, **extra
-            )
-            bridge.load_hf_weights(m, hf_state, hf_cfg)
-            m.eval()
+            m = _megatron_model(hf_cfg, hf_state, dev, dtype, router_dtype)
             models[router_dtype, weights] = (m, RouterReplayer(m, shadow=True, weights=weights))
         model, rep = models[router_dtype, weights]
         targets = gather_targets(pm, records, rep.layers, weights=weights == "engine")
@@ -276,24 +266,12 @@ def run_trainer(
         took = time.perf_counter() - t0
         for h in hooks:
             h.remove()
-        # Agreement with the engine on the rows that carry a route.
-        valid = targets.valid
-        agree, total = 0, 0
-        for k, layer in enumerate(rep.layers):
-            chosen = maps[layer][-1].cpu().numpy()  # [N, E] bool: the experts this router used
-            want = np.zeros_like(chosen)
-            np.put_along_axis(want, targets.experts[k].astype(np.int64), True, axis=1)
-            same = (chosen == want).all(axis=1)
-            agree += int(same[valid].sum())
-            total += int(valid.sum())
-        logp = torch.log_softmax(logits.float(), -1)[0]
-        idx = torch.tensor([t.predictor for t in pack.targets], device=dev)
-        tok = torch.tensor([pack.tokens[t.index] for t in pack.targets], device=dev)
-        trainer_lp = logp[idx].gather(1, tok[:, None]).squeeze(1).cpu().numpy()
+        agreement = _route_agreement(maps, rep.layers, targets)
+        trainer_lp = _sampled_logprobs(logits, pack, dev)
         trainer_lps[name] = trainer_lp
         diff = trainer_lp - engine_lp
         shadow = rep.shadow_report() if replay else None
-        results[name] = _gap(diff, agree / total if total else 1.0, took)
+        results[name] = _gap(diff, agreement, took)
         if shadow is not None:
             results[name]["shadow_token_mismatch"] = shadow.token_mismatch()
             if name == "replay_on":  # what a trainer logs each step (routereplay report)
@@ -301,14 +279,78 @@ def run_trainer(
                     **batch_coverage(pm, records, rep.layers).as_metrics(),
                     **shadow.as_metrics(),
                 }
-    if "replay_ids_weights_slots_shuffled" in trainer_lps:
-        # The slot order's effect alone (the same decisions, only the slots permuted), beside
-        # what the same forward moves when it runs again (a GPU's atomic adds sum in any order).
-        base = trainer_lps["replay_ids_weights"]
-        for key, name in (("slot_order", "slots_shuffled"), ("rerun", "again")):
-            moved = np.abs(trainer_lps[f"replay_ids_weights_{name}"] - base)
-            results[f"{key}_max_abs_logprob_change"] = float(moved.max())
+    results.update(_slot_order_effect(trainer_lps))
     return results
+
+
+def _pack(records: list[Any], items: list[dict[str, Any]]) -> Any:
+    """The rollouts in one THD pack: each single rollout a sequence, the group as its prompt
+    then its completions, the trajectory as its last turn."""
+    from .packing import Pack
+
+    pack = Pack(records)
+    for i, it in enumerate(items):
+        if it["kind"] == "single":
+            pack.add_sequence(i)
+    pack.add_group([i for i, it in enumerate(items) if it["kind"] == "group"])
+    pack.add_trajectory([i for i, it in enumerate(items) if it["kind"] == "turn"])
+    return pack
+
+
+def _megatron_model(
+    hf_cfg: Any, hf_state: Any, dev: Any, dtype: Any, router_dtype: str | None
+) -> Any:
+    """The checkpoint as a Megatron-Core model in eval mode, attending as the pack says;
+    ``router_dtype``: Megatron's ``moe_router_dtype`` ("fp32"), or None for the model's."""
+    from . import bridge
+    from .packing import PackedAttention
+
+    extra = {"moe_router_dtype": router_dtype} if router_dtype else {}
+    m = bridge.build_model(hf_cfg, device=dev, dtype=dtype, core_attention=PackedAttention, **extra)
+    bridge.load_hf_weights(m, hf_state, hf_cfg)
+    m.eval()
+    return m
+
+
+def _route_agreement(maps: dict[int, list[Any]], layers: Sequence[int], targets: Any) -> float:
+    """Share of the (row, MoE layer) decisions of the last forward (``maps``, from
+    :func:`_router_maps`) equal to the engine's (``targets``), on the rows that carry a route;
+    1.0 when none does."""
+    valid = targets.valid
+    agree, total = 0, 0
+    for k, layer in enumerate(layers):
+        chosen = maps[layer][-1].cpu().numpy()  # [N, E] bool: the experts this router used
+        want = np.zeros_like(chosen)
+        np.put_along_axis(want, targets.experts[k].astype(np.int64), True, axis=1)
+        same = (chosen == want).all(axis=1)
+        agree += int(same[valid].sum())
+        total += int(valid.sum())
+    return agree / total if total else 1.0
+
+
+def _sampled_logprobs(logits: Any, pack: Any, dev: Any) -> np.ndarray:
+    """The trainer's logprob of each sampled token of ``pack`` (its targets, in order) from
+    the pack's ``[1, T, V]`` logits."""
+    import torch
+
+    logp = torch.log_softmax(logits.float(), -1)[0]
+    idx = torch.tensor([t.predictor for t in pack.targets], device=dev)
+    tok = torch.tensor([pack.tokens[t.index] for t in pack.targets], device=dev)
+    return logp[idx].gather(1, tok[:, None]).squeeze(1).cpu().numpy()
+
+
+def _slot_order_effect(trainer_lps: dict[str, np.ndarray]) -> dict[str, float]:
+    """The most the slot order alone moves a logprob (the same decisions, only the slots
+    permuted), beside what the same forward moves when it runs again (a GPU's atomic adds sum
+    in any order); nothing without the shuffled run."""
+    if "replay_ids_weights_slots_shuffled" not in trainer_lps:
+        return {}
+    base = trainer_lps["replay_ids_weights"]
+    out = {}
+    for key, name in (("slot_order", "slots_shuffled"), ("rerun", "again")):
+        moved = np.abs(trainer_lps[f"replay_ids_weights_{name}"] - base)
+        out[f"{key}_max_abs_logprob_change"] = float(moved.max())
+    return out
 
 
 def run_trainer_hf(rollouts: dict[str, Any], *, device: str = "cpu") -> dict[str, Any]:
@@ -421,6 +463,38 @@ def _plot(rows: list[dict[str, Any]], out: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.deterministic:
+        import os
+
+        import torch
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read at cuBLAS's start
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    all_rollouts = _rollouts(args)
+    if args.trainer == "hf":
+        rows = [run_trainer_hf(r, device=args.device) for r in all_rollouts]
+    else:
+        rows = [
+            run_trainer(r, device=args.device, router_fp32=args.router_fp32) for r in all_rollouts
+        ]
+    for r, ro in zip(rows, all_rollouts, strict=True):
+        cached = sum(it["cached_tokens"] for it in ro["items"])
+        prompts = sum(len(it["prompt_ids"]) for it in ro["items"])
+        r["prefix_cache_hits"] = [cached, prompts]
+    _print_summary(rows, args)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    if args.trainer_log:
+        lines = [json.dumps({"step": i, "dtype": r["dtype"], **r["trainer_log"]})
+                 for i, r in enumerate(rows) if "trainer_log" in r]  # fmt: skip
+        args.trainer_log.write_text("\n".join(lines) + "\n")
+    if args.plot:
+        _plot(rows, args.plot, Path(all_rollouts[0]["model"]).name)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="routereplay experiment mismatch",
         description=__doc__,
@@ -465,44 +539,39 @@ def main(argv: list[str] | None = None) -> int:
         help="write the Megatron trainer's replay scalars (coverage, shadow diagnostics per "
         "layer), one JSON line per dtype, as a trainer logs them (routereplay report)",
     )
-    args = p.parse_args(argv)
-    if args.deterministic:
-        import os
+    return p
 
-        import torch
 
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read at cuBLAS's start
-        torch.use_deterministic_algorithms(True, warn_only=True)
-
+def _rollouts(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Step 1's data for each dtype: read from ``--from-rollouts`` (the model's files where
+    ``--model-dir`` says), or collected from the service (and written to ``--save-rollouts``)."""
     if args.from_rollouts:
         all_rollouts = json.loads(args.from_rollouts.read_text())
         if args.model_dir:
             for r in all_rollouts:
                 r["model"] = str(args.model_dir)
-    else:
-        from routereplay.service.tiny_model import VARIANTS, ensure_tiny_model
+        return all_rollouts
+    from routereplay.service.tiny_model import VARIANTS, ensure_tiny_model
 
-        model = ensure_tiny_model(args.model) if args.model in VARIANTS else Path(args.model)
-        all_rollouts = [collect_rollouts(model, d, args) for d in args.dtypes.split(",")]
-        if args.save_rollouts:
-            args.save_rollouts.write_text(json.dumps(all_rollouts))
-    if args.trainer == "hf":
-        rows = [run_trainer_hf(r, device=args.device) for r in all_rollouts]
-    else:
-        rows = [
-            run_trainer(r, device=args.device, router_fp32=args.router_fp32) for r in all_rollouts
-        ]
-    for r, ro in zip(rows, all_rollouts, strict=True):
-        cached = sum(it["cached_tokens"] for it in ro["items"])
-        prompts = sum(len(it["prompt_ids"]) for it in ro["items"])
-        r["prefix_cache_hits"] = [cached, prompts]
-        pack = (
-            "a position-id pack, every rollout whole (the group's prompt and the trajectory's "
-            "history repeated)"
-            if args.trainer == "hf"
-            else f"THD sequences, a GRPO group of {args.group} as prompt + completions, a 3-turn "
-            "trajectory"
-        )
+    model = ensure_tiny_model(args.model) if args.model in VARIANTS else Path(args.model)
+    all_rollouts = [collect_rollouts(model, d, args) for d in args.dtypes.split(",")]
+    if args.save_rollouts:
+        args.save_rollouts.write_text(json.dumps(all_rollouts))
+    return all_rollouts
+
+
+def _print_summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Each dtype's pack and prefix-cache hits, the table, and the slot order's effect where it
+    was measured."""
+    pack = (
+        "a position-id pack, every rollout whole (the group's prompt and the trajectory's "
+        "history repeated)"
+        if args.trainer == "hf"
+        else f"THD sequences, a GRPO group of {args.group} as prompt + completions, a 3-turn "
+        "trajectory"
+    )
+    for r in rows:
+        cached, prompts = r["prefix_cache_hits"]
         print(
             f"{r['dtype']}: {r['sampled_tokens']} sampled tokens in one pack of "
             f"{r['tokens_packed']} ({pack}); prefix-cache hits: {cached} of {prompts} prompt "
@@ -516,15 +585,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"the trainer's logprobs by at most {r['slot_order_max_abs_logprob_change']:.3g}; "
                 f"the same forward run again, by {r['rerun_max_abs_logprob_change']:.3g}"
             )
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
-    if args.trainer_log:
-        lines = [json.dumps({"step": i, "dtype": r["dtype"], **r["trainer_log"]})
-                 for i, r in enumerate(rows) if "trainer_log" in r]  # fmt: skip
-        args.trainer_log.write_text("\n".join(lines) + "\n")
-    if args.plot:
-        _plot(rows, args.plot, Path(all_rollouts[0]["model"]).name)
-    return 0
 
 
 if __name__ == "__main__":
