@@ -227,3 +227,28 @@ def test_a_prefetcher_recycles_without_touching_the_step_in_use(padded):
             seen.append(k)
     assert seen == list(range(len(steps)))
     assert tb.reused >= len(steps) // 2 and "held=" in repr(tb)
+
+
+@pytest.mark.parametrize("order", ["sequence", "batch"])
+def test_page_locked_targets_in_either_order(order, monkeypatch):
+    """``pin_memory=True`` gives page-locked targets in both row orders of a B > 1 batch (this
+    host has no accelerator to pin for: the allocation is recorded instead)."""
+    from routereplay.trainer_adapter import _targets
+
+    pinned: list[torch.Tensor] = []
+
+    def empty(n, dt, pin_memory):
+        if not pin_memory:
+            return None
+        pinned.append(torch.empty(n, dtype=torch.uint8 if dt == np.uint8 else torch.uint16))
+        return pinned[-1]
+
+    monkeypatch.setattr(_targets, "_empty", empty)
+    rng = np.random.default_rng(8)
+    recs = [make_record(rng, rng.integers(0, 999, n)) for n in (5, 9, 7)]
+    pm = padded_position_map([sample_from_record(i, r) for i, r in enumerate(recs)], 12)
+    tg = gather_targets(pm, recs, MOE, pin_memory=True, order=order)
+    want = gather_targets(pm, recs, MOE, order=order)
+    np.testing.assert_array_equal(tg.experts, want.experts)
+    assert tg.pinned is not None and tg.pinned.data_ptr() == tg.experts.ctypes.data
+    assert len(pinned) == 1  # one page-locked buffer: the output, never the scratch
