@@ -216,6 +216,17 @@ def test_a_glob_pattern_in_the_path_is_refused(tmp_path: Path) -> None:
     assert isinstance(got, CheckpointError) and "glob pattern" in got.message
 
 
+def _refused(tmp_path: Path, case: Callable) -> CheckpointError:
+    """What reading a checkpoint laid out by ``case`` (with a config) under the root raises."""
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    case(path)
+    (path / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError) as e:
+        read_checkpoint(path, tmp_path)
+    return e.value
+
+
 @pytest.mark.parametrize(
     ("case", "words"),
     [
@@ -226,14 +237,9 @@ def test_a_glob_pattern_in_the_path_is_refused(tmp_path: Path) -> None:
     ],
 )
 def test_an_index_entry_vllm_fails_on_is_named(tmp_path: Path, case: Callable, words: str) -> None:
-    path = tmp_path / "ckpt"
-    path.mkdir()
-    case(path)
-    (path / "config.json").write_text("{}")
-    with pytest.raises(CheckpointError) as e:
-        read_checkpoint(path, tmp_path)
-    assert words in e.value.message and e.value.code == "bad_checkpoint", e.value.message
-    assert "model.safetensors.index.json" in e.value.message
+    err = _refused(tmp_path, case)
+    assert words in err.message and err.code == "bad_checkpoint", err.message
+    assert "model.safetensors.index.json" in err.message
 
 
 @pytest.mark.parametrize(
@@ -247,13 +253,8 @@ def test_an_index_entry_vllm_fails_on_is_named(tmp_path: Path, case: Callable, w
 def test_vllms_choice_is_read_only_as_regular_files(
     tmp_path: Path, case: Callable, words: str
 ) -> None:
-    path = tmp_path / "ckpt"
-    path.mkdir()
-    case(path)
-    (path / "config.json").write_text("{}")
-    with pytest.raises(CheckpointError) as e:
-        read_checkpoint(path, tmp_path)
-    assert words in e.value.message, e.value.message
+    err = _refused(tmp_path, case)
+    assert words in err.message, err.message
 
 
 def test_a_link_out_of_the_root_is_named_so(tmp_path: Path) -> None:

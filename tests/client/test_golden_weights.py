@@ -6,26 +6,22 @@ reads its ids."""
 from __future__ import annotations
 
 import struct
-from pathlib import Path
 
-import msgpack
 import numpy as np
 import pytest
+from _golden import golden_array, load_golden
 
 from routereplay.client import RouteRecord, _codec, _layout, decode_record
 from routereplay.client._chunks import _CHUNK
 from routereplay.client._frame import HEADER
 from routereplay.client._layout import finish_read, plan_read
 
-GOLDEN = Path(__file__).with_name("golden") / "format1-weights.msgpack"
-
 
 def _load() -> dict:
-    return msgpack.unpackb(GOLDEN.read_bytes(), raw=False, strict_map_key=False)
+    return load_golden("format1-weights.msgpack")
 
 
-def _arr(a: dict) -> np.ndarray:
-    return np.frombuffer(a["data"], np.dtype(a["dtype"])).reshape(a["shape"])
+_arr = golden_array
 
 
 def _same(got: RouteRecord, e: dict, start: int = 0) -> None:
