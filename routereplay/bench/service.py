@@ -1,222 +1,297 @@
-"""``routereplay bench service``: routereplay vs vLLM's own OpenAI server with inline routes.
+"""``routereplay bench service``: serving cost of route capture, against vLLM's own server.
 
-One invocation, same tiny model, same engine settings: first vLLM's ``api_server
---enable-return-routed-experts`` (routes inline as base64 .npy), then ``routereplay serve`` (the
-in-process backend, routes to a private Redis, a handle in the response). Each runs alone on the
-machine, with the same prompts and seeds, at each concurrency level (bounded request counts,
-loopback, httpx). Printed: p50/p95 latency, throughput, response bytes per request, route bytes
-per choice in the response, and the bytes a trainer then fetches for the routes.
+Three servers, one at a time, with the same model, engine settings, prompts and seeds:
+
+- ``floor``: vLLM's OpenAI server with no routes (what serving costs without capture);
+- ``peer``: the same server with ``--enable-return-routed-experts`` (routes inline, base64 of an
+  ``.npy`` per choice: what RL frameworks wire by hand today);
+- ``routereplay``: ``routereplay serve`` (vLLM in process, routes compressed into a private
+  redis-server, a handle in the response).
+
+The load is GRPO groups (:mod:`.serving_load`) at each concurrency level: first non-streamed
+(how rollouts are sent; every server), then streamed for TTFT and ITL (``--stream also``;
+vLLM's server returns no routes in a stream, so the peer has no streamed pass). Per level:
+output tokens/s, end-to-end latency, TTFT, ITL, the server's CPU per generated token (the API
+process, and with its engine processes), and for routereplay its Redis traffic, the peak of
+``routereplay_route_writes_pending``, and every route read back and checked
+(:mod:`.serving_probe`). Where the peer ran in the same results folder, routereplay's records are
+compared row by row with the peer's inline routes for the same seeded requests (the rows both
+computed from the same tokens), and a sample with the engine's own prefill of the stored tokens.
+
+Servers can run in separate invocations that share ``--results`` (a GPU host whose calls are
+short): each adds its rows, and the report covers every server found there.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import statistics
 import sys
 import tempfile
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
-
-import httpx
-import numpy as np
+from typing import Any
 
 from routereplay.local_redis import free_port, redis_server
 
+from . import serving_probe as probe
 from .servers import server_process
+from .service_report import report
+from .serving_load import Choice, LevelLoad, make_groups, run_level
 
 __all__ = ["main"]
 
-
-@dataclass
-class Level:
-    server: str
-    concurrency: int
-    latencies: list[float] = field(default_factory=list)
-    wall_s: float = 0.0
-    response_bytes: int = 0
-    route_bytes_in_response: int = 0
-    completion_tokens: int = 0
-    trainer_bytes: int = 0
-    route_ids: list[str] = field(default_factory=list)
-
-    @property
-    def n(self) -> int:
-        return len(self.latencies)
-
-    def pct(self, q: float) -> float:
-        return float(np.percentile(self.latencies, q))
+SERVERS = ("floor", "peer", "routereplay")
 
 
-def _engine_flags(args: argparse.Namespace) -> list[str]:
-    return ["--dtype", "float32", "--max-model-len", str(args.max_model_len), "--seed", "0",
-            "--gpu-memory-utilization", "0.5"]  # fmt: skip
+def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine settings both servers get: batch limits set explicitly, since vLLM's defaults for
+    them differ between its OpenAI server and an engine built in another process."""
+    from routereplay.service.vllm_engine import on_cpu_host
+
+    eager = on_cpu_host() if args.enforce_eager is None else args.enforce_eager
+    return {"dtype": args.dtype, "max_model_len": args.max_model_len, "seed": 0,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "enforce_eager": eager,
+            "enable_prefix_caching": True, **json.loads(args.engine_args or "{}")}  # fmt: skip
 
 
-async def _run_level(
-    name: str, base: str, model: str, prompts: list[list[int]], conc: int, args: argparse.Namespace
-) -> Level:
-    lv = Level(name, conc)
-    sem = asyncio.Semaphore(conc)
-    limits = httpx.Limits(max_connections=conc + 4, max_keepalive_connections=conc + 4)
-    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
-
-        async def one(i: int, prompt: list[int]) -> None:
-            body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens,
-                    "temperature": 1.0, "seed": 1000 + i, "ignore_eos": True}  # fmt: skip
-            async with sem:
-                t0 = time.perf_counter()
-                r = await client.post("/v1/completions", json=body)
-                lat = time.perf_counter() - t0
-            r.raise_for_status()
-            data = r.json()
-            lv.latencies.append(lat)
-            lv.response_bytes += len(r.content)
-            lv.completion_tokens += data["usage"]["completion_tokens"]
-            for c in data["choices"]:
-                re = c.get("routed_experts")
-                lv.route_bytes_in_response += len(json.dumps(re)) if re is not None else 0
-                if isinstance(re, dict):
-                    lv.route_ids.append(re["route_id"])
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        lv.wall_s = time.perf_counter() - t0
-        if lv.route_ids:
-            # What a trainer downloads afterwards: the records, one batch request.
-            r = await client.post("/v1/routes:batch", json={"ids": lv.route_ids})
-            r.raise_for_status()
-            lv.trainer_bytes = len(r.content)
-    return lv
+def _vllm_argv(cfg: dict[str, Any], model: str, port: int, peer: bool) -> list[str]:
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--served-model-name", "bench-model", "--host", "127.0.0.1", "--port", str(port),
+            "--disable-uvicorn-access-log", "--disable-log-stats"]  # fmt: skip
+    if peer:
+        argv.append("--enable-return-routed-experts")
+    for k, v in cfg.items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            argv += [flag] if v else []  # every such setting is off by default
+        else:
+            argv += [flag, json.dumps(v) if isinstance(v, dict) else str(v)]
+    return argv
 
 
-def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 1000, size=length).tolist() for _ in range(n)]
+def _rr_argv(cfg: dict[str, Any], model: str, port: int, redis_url: str) -> list[str]:
+    # enable_prefix_caching: the service sets it itself.
+    own = {"dtype", "max_model_len", "seed", "gpu_memory_utilization", "enforce_eager",
+           "enable_prefix_caching"}  # fmt: skip
+    rest = {k: v for k, v in cfg.items() if k not in own}
+    return [sys.executable, "-m", "routereplay.cli", "serve", "--model", model,
+            "--served-model-name", "bench-model", "--port", str(port), "--redis-url", redis_url,
+            "--log-level", "warning", "--dtype", cfg["dtype"],
+            "--max-model-len", str(cfg["max_model_len"]), "--seed", str(cfg["seed"]),
+            "--gpu-memory-utilization", str(cfg["gpu_memory_utilization"]),
+            "--enforce-eager" if cfg["enforce_eager"] else "--no-enforce-eager",
+            "--engine-args", json.dumps(rest)]  # fmt: skip
 
 
-async def _bench_server(name: str, base: str, model: str, args: argparse.Namespace) -> list[Level]:
-    # Warm-up (first-request costs), then one level at a time; fresh prompts per level so the
-    # prefix cache favours neither server.
-    await _run_level(name, base, model, _prompts(2, args.prompt_tokens, 1), 2, args)
-    out = []
-    for k, (conc, n) in enumerate(zip(args.concurrency, args.requests, strict=True)):
-        out.append(await _run_level(name, base, model, _prompts(n, args.prompt_tokens, 100 + k),
-                                    conc, args))  # fmt: skip
-    return out
+class _Bench:
+    """One server's run: its levels, measured and checked."""
+
+    def __init__(self, server: str, args: argparse.Namespace, model: str, proc_pid: int,
+                 base: str, redis_url: str | None) -> None:  # fmt: skip
+        self.server, self.args, self.model, self.pid = server, args, model, proc_pid
+        self.base, self.redis_url = base, redis_url
+        self.layers, self.top_k = args.layout
+        self.peer_path = args.results / "peer-routes.npz"
+
+    def groups(self, conc: int, seqs: int, k: int) -> list:
+        n = min(self.args.group_size, conc)
+        return make_groups(max(1, seqs // n), n, self.args.prompt_tokens, self.args.max_tokens,
+                           self.args.vocab, seed=10 + k)  # fmt: skip
+
+    def level(self, mode: str, k: int, conc: int, seqs: int) -> dict[str, Any]:
+        groups = self.groups(conc, seqs, k)
+        cpu0 = probe.group_cpu_s(self.pid)
+        red0 = probe.redis_counters(self.redis_url) if self.redis_url else None
+        with probe.max_gauge(f"{self.base}/metrics", "routereplay_route_writes_pending") as peak:
+            lv = asyncio.run(run_level(self.base, "bench-model", groups, conc, mode == "stream"))
+        cpu1 = probe.group_cpu_s(self.pid)
+        row = _timings(self.server, mode, lv, cpu0, cpu1)
+        row["writes_pending_peak"] = peak[0] if self.redis_url else None
+        if red0 is not None:
+            red1 = probe.redis_counters(self.redis_url)
+            row["redis"] = {k: red1[k] - red0[k] for k in red0}
+        row.update(self.routes(mode, conc, lv))
+        return row
+
+    def routes(self, mode: str, conc: int, lv: LevelLoad) -> dict[str, Any]:
+        if self.server == "floor":
+            return {}
+        keep = {(c.group, c.index) for c in lv.choices[: self.args.compare]}
+        if self.server == "peer":
+            tally = probe.check_inline(lv.choices, self.layers, self.top_k)
+            _save_peer(self.peer_path, mode, conc, [c for c in lv.choices
+                                                    if (c.group, c.index) in keep])  # fmt: skip
+            return {"routes": vars(tally)}
+        tally, kept = probe.check_handles(lv.choices, self.redis_url, self.layers, self.top_k, keep)
+        out: dict[str, Any] = {"routes": vars(tally)}
+        if mode == "json":
+            out["vs_peer"] = _compare_peer(self.peer_path, mode, conc, kept)
+            out["vs_engine"] = asyncio.run(self.engine_ref(lv.choices, kept))
+        return out
+
+    async def engine_ref(self, choices: list[Choice], kept: dict) -> dict[str, int]:
+        """The engine's own prefill of ``--engine-ref`` stored sequences, row by row."""
+        import httpx
+
+        from routereplay.client import RouteStore
+
+        same = cells = 0
+        picked = [c for c in choices if (c.group, c.index) in kept][: self.args.engine_ref]
+        async with httpx.AsyncClient(base_url=self.base, timeout=600) as http:
+            for c in picked:
+                body = {"model": "bench-model", "prompt": c.prompt_ids + c.token_ids,
+                        "max_tokens": 1, "temperature": 0.0}  # fmt: skip
+                r = (await http.post("/v1/completions", json=body)).json()
+                cached = (r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                with RouteStore.from_url(self.redis_url) as store:
+                    ref = store.get(r["choices"][0]["routed_experts"]["route_id"])
+                a, b = probe.compare_rows(kept[(c.group, c.index)], ref.experts,
+                                          ref.token_ids.tolist(), int(cached))  # fmt: skip
+                same, cells = same + a, cells + b
+        return {"sequences": len(picked), "cells": cells, "equal": same}
 
 
-def _ratios(by: dict, a: str, b: str, title: str, note: str) -> list[str]:
-    """Rows of ``a``'s latency and throughput over ``b``'s, per concurrency both ran."""
-    pairs = [(conc, lv, by[(b, conc)]) for (srv, conc), lv in by.items()
-             if srv == a and (b, conc) in by]  # fmt: skip
-    if not pairs:
-        return []
-    rows = ["", f"{title:20s} conc   p50 ratio  p95 ratio  throughput ratio  {note}"]
-    for conc, x, y in pairs:
-        rows.append(
-            f"{'':20s} {conc:5d} {x.pct(50) / y.pct(50):10.3f} {x.pct(95) / y.pct(95):10.3f} "
-            f"{(x.n / x.wall_s) / (y.n / y.wall_s):17.3f}"
-        )
-    return rows
+def _timings(server: str, mode: str, lv: LevelLoad, cpu0: tuple, cpu1: tuple) -> dict[str, Any]:
+    import numpy as np
+
+    def pct(xs: list[float], q: float) -> float | None:
+        return float(np.percentile(xs, q)) if xs else None
+
+    toks = max(lv.completion_tokens, 1)
+    return {"server": server, "mode": mode, "concurrency": lv.concurrency,
+            "requests": len(lv.latencies), "sequences": len(lv.choices), "wall_s": lv.wall_s,
+            "completion_tokens": lv.completion_tokens, "tok_s": lv.completion_tokens / lv.wall_s,
+            "e2e_p50": pct(lv.latencies, 50), "e2e_p99": pct(lv.latencies, 99),
+            "ttft_p50": pct(lv.ttft, 50), "ttft_p99": pct(lv.ttft, 99),
+            "itl_p50": pct(lv.itl, 50), "itl_p99": pct(lv.itl, 99),
+            "cpu_api_us_tok": (cpu1[0] - cpu0[0]) / toks * 1e6,
+            "cpu_all_us_tok": (cpu1[1] - cpu0[1]) / toks * 1e6,
+            "response_bytes": lv.response_bytes, "errors": len(lv.errors),
+            "first_error": lv.errors[0] if lv.errors else ""}  # fmt: skip
 
 
-def _report(levels: list[Level]) -> str:
-    rows = ["server           conc  reqs   p50_s   p95_s   req/s   tok/s  resp_B/req  "
-            "route_B/choice  trainer_B/req"]  # fmt: skip
-    for lv in levels:
-        trainer = lv.trainer_bytes / lv.n if lv.trainer_bytes else lv.route_bytes_in_response / lv.n
-        rows.append(
-            f"{lv.server:15s} {lv.concurrency:5d} {lv.n:5d} {lv.pct(50):7.3f} {lv.pct(95):7.3f} "
-            f"{lv.n / lv.wall_s:7.2f} {lv.completion_tokens / lv.wall_s:7.1f} "
-            f"{lv.response_bytes / lv.n:11.0f} {lv.route_bytes_in_response / lv.n:15.0f} "
-            f"{trainer:14.0f}"
-        )
-    by = {(lv.server, lv.concurrency): lv for lv in levels}
-    rows += _ratios(by, "routereplay", "vllm-inline", "routereplay / vllm",
-                    "(targets: latency <= 1.05, throughput >= 0.95)")  # fmt: skip
-    rows += _ratios(by, "routereplay", "rr-stats-off", "stats on / stats off",
-                    "(routing statistics: --routing-stats-window-s 60 against 0)")  # fmt: skip
-    rows.append("trainer_B/req: vllm-inline = the base64 routes already in the response; "
-                "routereplay = one POST /v1/routes:batch of all the level's route ids")  # fmt: skip
-    return "\n".join(rows)
+def _save_peer(path: Path, mode: str, conc: int, choices: list[Choice]) -> None:
+    import numpy as np
+
+    old = dict(np.load(path)) if path.exists() else {}
+    for c in choices:
+        key = f"{mode}-{conc}-{c.group}-{c.index}"
+        old[key + "-routes"] = probe.inline_array(c.route) if isinstance(c.route, str) else None
+        old[key + "-tokens"] = np.asarray(c.prompt_ids + c.token_ids, dtype=np.int64)
+    np.savez(path, **{k: v for k, v in old.items() if v is not None})
 
 
-def _bench_routereplay(
-    server: str, extra: list[str], model: str, name: str, d: Path, args: argparse.Namespace
-) -> list[Level]:
-    """``routereplay serve`` (in-process vLLM, routes to a private Redis) with ``extra`` flags."""
-    with redis_server() as url:
+def _compare_peer(path: Path, mode: str, conc: int, kept: dict) -> dict[str, int] | None:
+    import numpy as np
+
+    if not path.exists():
+        return None
+    peer = np.load(path)
+    same = cells = seqs = 0
+    for (g, i), rec in kept.items():
+        key = f"{mode}-{conc}-{g}-{i}"
+        if key + "-routes" not in peer:
+            continue
+        a, b = probe.compare_rows(rec, peer[key + "-routes"], peer[key + "-tokens"].tolist(), 0)
+        same, cells, seqs = same + a, cells + b, seqs + 1
+    return {"sequences": seqs, "cells": cells, "equal": same}
+
+
+def _levels(args: argparse.Namespace, server: str) -> list[tuple[str, int, int, int]]:
+    modes = {"off": ["json"], "also": ["json", "stream"], "only": ["stream"]}[args.stream]
+    if server == "peer":  # vLLM's server returns no routes in a stream
+        modes = [m for m in modes if m == "json"]
+    pairs = list(enumerate(zip(args.concurrency, args.sequences, strict=True)))
+    return [(m, k, c, s) for m in modes for k, (c, s) in pairs]
+
+
+def _run_server(server: str, args: argparse.Namespace, model: str, logs: Path) -> list[dict]:
+    cfg = _engine_config(args)
+    private = redis_server() if server == "routereplay" else contextlib.nullcontext(None)
+    with private as url:
         port = free_port()
-        argv_r = [sys.executable, "-m", "routereplay.cli", "serve", "--model", model,
-                  "--served-model-name", name, "--port", str(port), "--redis-url", url,
-                  "--log-level", "warning", *_engine_flags(args), *extra]  # fmt: skip
-        print(f"starting routereplay serve {' '.join(extra)} (in-process vLLM, routes to Redis)"
-              " ...", flush=True)  # fmt: skip
-        with server_process(argv_r, f"http://127.0.0.1:{port}/ready", d / f"{server}.log"):
-            return asyncio.run(_bench_server(server, f"http://127.0.0.1:{port}", name, args))
+        argv = (_rr_argv(cfg, model, port, url) if server == "routereplay"
+                else _vllm_argv(cfg, model, port, server == "peer"))  # fmt: skip
+        base = f"http://127.0.0.1:{port}"
+        ready = base + ("/ready" if server == "routereplay" else "/v1/models")
+        print(f"starting {server} ...", flush=True)
+        log = logs / f"{server}.log"
+        with server_process(argv, ready, log, timeout_s=args.start_timeout_s) as p:
+            b = _Bench(server, args, model, p.pid, base, url)
+            b.level("json", 99, 2, 2)  # warm-up: first-request costs
+            rows = []
+            for mode, k, conc, seqs in _levels(args, server):
+                rows.append(b.level(mode, k, conc, seqs))
+                print(json.dumps(rows[-1]), flush=True)
+            return rows
+
+
+def _parser() -> argparse.ArgumentParser:
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p = argparse.ArgumentParser(
+        prog="routereplay bench service", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--model", help="model path (default: the tiny Qwen3-MoE, built if missing)")
+    p.add_argument("--servers", default=",".join(SERVERS), help="which, in order (default: all)")
+    p.add_argument("--concurrency", type=ints, default=[1, 8, 32], help="sequences in flight")
+    p.add_argument("--sequences", type=ints, default=[4, 32, 64], help="sequences per level")
+    p.add_argument("--group-size", type=int, default=1, help="n: choices per request (GRPO: 8)")
+    p.add_argument("--prompt-tokens", default="64", help="a length or a span lo-hi")
+    p.add_argument("--max-tokens", default="32", help="a length or a span lo-hi (ignore_eos)")
+    p.add_argument("--stream", choices=["off", "also", "only"], default="also")
+    p.add_argument("--vocab", type=int, help="prompt ids below this (default: the tokenizer's)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="default: on a CPU host only")  # fmt: skip
+    p.add_argument(
+        "--engine-args", help='more engine settings, JSON (e.g. {"load_format": "dummy"})'
+    )
+    p.add_argument(
+        "--compare", type=int, default=8, help="sequences per level compared with the peer"
+    )
+    p.add_argument("--engine-ref", type=int, default=2, help="of those, re-run as a prefill")
+    p.add_argument("--start-timeout-s", type=float, default=900)
+    p.add_argument(
+        "--results", type=Path, help="folder the rows accumulate in (default: temporary)"
+    )
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="routereplay bench service")
-    p.add_argument("--model", help="model path (default: the tiny Qwen3-MoE, built if missing)")
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
-                   default=[1, 8, 32])  # fmt: skip
-    p.add_argument("--requests", type=lambda s: [int(x) for x in s.split(",")],
-                   default=[8, 32, 64], help="requests per concurrency level")  # fmt: skip
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--only", choices=["vllm", "routereplay"], help="run one server only")
-    p.add_argument("--json", type=Path, help="also write raw numbers here")
-    p.add_argument(
-        "--routing-stats-off-too",
-        action="store_true",
-        help="also run routereplay with its routing statistics off (rr-stats-off), before the "
-        "default run: what the expert-load telemetry costs the capture path",
-    )
+    p = _parser()
     args = p.parse_args(argv)
-    if len(args.concurrency) != len(args.requests):
-        p.error("--concurrency and --requests need the same number of entries")
-
+    if len(args.concurrency) != len(args.sequences):
+        p.error("--concurrency and --sequences need the same number of entries")
+    servers = args.servers.split(",")
+    if set(servers) - set(SERVERS):
+        p.error(f"--servers: choose among {', '.join(SERVERS)}")
     model = args.model
     if model is None:
         from routereplay.service.tiny_model import ensure_tiny_model
 
         model = str(ensure_tiny_model("moe"))
-    name = "bench-model"
-    levels: list[Level] = []
+    from routereplay.service.model_info import moe_layout
+
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    _, moe, _, top_k = moe_layout(cfg)
+    args.layout = (len(moe), top_k)
+    if args.vocab is None:
+        from transformers import AutoTokenizer
+
+        args.vocab = min(len(AutoTokenizer.from_pretrained(model)), int(cfg["vocab_size"]))
     with tempfile.TemporaryDirectory(prefix="rr-bench-") as d:
-        if args.only != "routereplay":
-            port = free_port()
-            argv_v = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                      "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
-                      "--enable-return-routed-experts", "--enable-prefix-caching",
-                      "--enforce-eager", "--disable-uvicorn-access-log",
-                      *_engine_flags(args)]  # fmt: skip
-            print("starting vLLM's OpenAI server (inline routes) ...", flush=True)
-            with server_process(argv_v, f"http://127.0.0.1:{port}/v1/models", Path(d) / "vllm.log"):
-                levels += asyncio.run(
-                    _bench_server("vllm-inline", f"http://127.0.0.1:{port}", name, args)
-                )
-        if args.only != "vllm":
-            variants = [("routereplay", [])]
-            if args.routing_stats_off_too:
-                variants.insert(0, ("rr-stats-off", ["--routing-stats-window-s", "0"]))
-            for server, extra in variants:
-                levels += _bench_routereplay(server, extra, model, name, Path(d), args)
-    print(f"\nmodel {model}; prompt {args.prompt_tokens} tokens, completion {args.max_tokens} "
-          f"tokens (ignore_eos), float32, enforce-eager, same seeds for both servers")  # fmt: skip
-    print(_report(levels))
-    if args.json:
-        args.json.write_text(json.dumps([
-            {"server": lv.server, "concurrency": lv.concurrency, "n": lv.n,
-             "p50_s": lv.pct(50), "p95_s": lv.pct(95), "wall_s": lv.wall_s,
-             "response_bytes": lv.response_bytes, "trainer_bytes": lv.trainer_bytes,
-             "route_bytes_in_response": lv.route_bytes_in_response,
-             "median_s": statistics.median(lv.latencies)}
-            for lv in levels
-        ], indent=1))  # fmt: skip
+        args.results = args.results or Path(d)
+        args.results.mkdir(parents=True, exist_ok=True)
+        for server in servers:
+            rows = _run_server(server, args, model, args.results)
+            (args.results / f"{server}.json").write_text(json.dumps(rows, indent=1))
+        print(report(args.results, vars(args)))
     return 0

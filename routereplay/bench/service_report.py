@@ -1,0 +1,98 @@
+"""The printed report of ``routereplay bench service``: every server's rows in a results folder,
+then routereplay's ratios to the floor and to the peer, against the targets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["report"]
+
+_SERVERS = ("floor", "peer", "routereplay")
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.0f}"
+
+
+def _routes(r: dict[str, Any]) -> str:
+    t = r.get("routes")
+    if not t:
+        return "-"
+    s = f"{t['verified']}/{t['choices']}"
+    if t["lost"] or t["wrong"]:
+        s += f" lost {t['lost']} wrong {t['wrong']}: {t['first_problem'][:60]}"
+    return s
+
+
+def _cells(c: dict[str, int] | None) -> str:
+    return "-" if not c or not c["cells"] else f"{c['equal']}/{c['cells']}"
+
+
+def _redis(r: dict[str, Any]) -> str:
+    red = r.get("redis")
+    if not red:
+        return "-"
+    return (f"{red['total_net_input_bytes'] / r['wall_s'] / 1e6:.1f} MB/s "
+            f"{red['total_commands_processed'] / r['wall_s']:.0f} cmd/s "
+            f"{red.get('cpu_s', 0) / r['wall_s']:.3f} cores "
+            f"peak pending {r['writes_pending_peak']:.0f}")  # fmt: skip
+
+
+def _table(rows: list[dict[str, Any]]) -> list[str]:
+    out = ["server       mode   conc  seqs   tok/s  e2e p50/p99 ms  TTFT p50/p99 ms  "
+           "ITL p50/p99 ms  CPU us/tok api/all  routes ok  vs peer  vs engine  Redis"]  # fmt: skip
+    for r in rows:
+        out.append(
+            f"{r['server']:12s} {r['mode']:6s} {r['concurrency']:4d} {r['sequences']:5d} "
+            f"{r['tok_s']:7.0f} {_ms(r['e2e_p50']):>7s}/{_ms(r['e2e_p99']):<7s} "
+            f"{_ms(r['ttft_p50']):>8s}/{_ms(r['ttft_p99']):<8s} "
+            f"{_ms(r['itl_p50']):>7s}/{_ms(r['itl_p99']):<7s} "
+            f"{r['cpu_api_us_tok']:8.0f}/{r['cpu_all_us_tok']:<8.0f} {_routes(r):>10s} "
+            f"{_cells(r.get('vs_peer')):>9s} {_cells(r.get('vs_engine')):>9s}  {_redis(r)}"
+            + (f"  ERRORS {r['errors']}: {r['first_error'][:80]}" if r["errors"] else "")
+        )
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if not a or not b else f"{a / b:.3f}"
+
+
+def _ratios(by: dict[tuple, dict[str, Any]]) -> list[str]:
+    out = ["", "routereplay over    mode   conc  tok/s    TTFT p50  ITL p50  e2e p50   (targets: "
+           "tok/s >= 0.97 floor and >= 1.0 peer; TTFT, ITL p50 <= 1.05 floor)"]  # fmt: skip
+    for (srv, mode, conc), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+        if srv != "routereplay":
+            continue
+        for other in ("floor", "peer"):
+            o = by.get((other, mode, conc))
+            if o is None:
+                continue
+            ttft, itl = _ratio(r["ttft_p50"], o["ttft_p50"]), _ratio(r["itl_p50"], o["itl_p50"])
+            out.append(
+                f"{other:18s} {mode:6s} {conc:4d}  {_ratio(r['tok_s'], o['tok_s']):>7s}  "
+                f"{ttft:>8s}  {itl:>7s}  {_ratio(r['e2e_p50'], o['e2e_p50']):>7s}"
+            )
+    return out
+
+
+def report(results: Path, args: dict[str, Any]) -> str:
+    """The report of every server's rows found in ``results``."""
+    rows = []
+    for s in _SERVERS:
+        f = results / f"{s}.json"
+        if f.exists():
+            rows += json.loads(f.read_text())
+    by = {(r["server"], r["mode"], r["concurrency"]): r for r in rows}
+    head = (f"model {args['model'] or 'tiny'}; groups of {args['group_size']}, prompts "
+            f"{args['prompt_tokens']} tokens, completions {args['max_tokens']} tokens "
+            f"(ignore_eos), {args['dtype']}, the same seeds for every server")  # fmt: skip
+    notes = ["CPU us/tok: CPU time of the server's API process / of it and its engine processes, "
+             "per generated token; routes ok: read back whole and matching the response (peer: "
+             "an array of the model's layout per choice); vs peer / vs engine: (row, layer) cells "
+             "with the same experts as the peer's inline routes for the same seeded request / "
+             "the engine's own prefill of the stored tokens, over rows computed from the same "
+             "tokens"]  # fmt: skip
+    return "\n".join([head, *_table(rows), *_ratios(by), *notes])

@@ -1,0 +1,200 @@
+"""What ``routereplay bench service`` measures beside the client's timings: the server's CPU,
+its Redis traffic, its pending route writes, and whether every route is there and right."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import io
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+
+from routereplay.client import RouteError, RouteRecord, RouteStore
+
+from .serving_load import Choice
+
+__all__ = ["RouteTally", "check_handles", "check_inline", "compare_rows", "group_cpu_s",
+           "inline_array", "max_gauge", "redis_counters"]  # fmt: skip
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_of(pid: int) -> tuple[int, float]:
+    """(process group id, user + system CPU seconds) of ``pid``, from /proc."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return int(fields[2]), (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def group_cpu_s(leader: int) -> tuple[float, float]:
+    """CPU seconds of ``leader`` alone and of every live process in its process group (the
+    server and the engine processes it started), Linux only."""
+    own = total = 0.0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            pgid, cpu = _cpu_of(int(name))
+            if pgid == leader:
+                total += cpu
+                own += cpu if int(name) == leader else 0.0
+    return own, total
+
+
+def redis_counters(url: str) -> dict[str, float]:
+    """The Redis counters a level's traffic is the difference of."""
+    import redis
+
+    with contextlib.closing(redis.Redis.from_url(url)) as r:
+        info = r.info()
+    keys = ("total_net_input_bytes", "total_commands_processed", "used_memory")
+    out = {k: float(info[k]) for k in keys}
+    out["cpu_s"] = float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+    return out
+
+
+@contextlib.contextmanager
+def max_gauge(metrics_url: str, name: str, every_s: float = 0.25) -> Iterator[list[float]]:
+    """Sample gauge ``name`` from a Prometheus endpoint while the block runs; yields a list
+    whose one element is the largest value seen (-1 if never read)."""
+    peak = [-1.0]
+
+    async def poll(stop: asyncio.Event) -> None:
+        async with httpx.AsyncClient(timeout=5) as c:
+            while not stop.is_set():
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    for line in (await c.get(metrics_url)).text.splitlines():
+                        if line.startswith(name + " ") or line.startswith(name + "{"):
+                            peak[0] = max(peak[0], float(line.rsplit(" ", 1)[1]))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), every_s)
+
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    import threading
+
+    t = threading.Thread(target=lambda: loop.run_until_complete(poll(stop)), daemon=True)
+    t.start()
+    try:
+        yield peak
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        t.join(10)
+        loop.close()
+
+
+@dataclass
+class RouteTally:
+    """Routes of one level: said stored (or returned), read back and checked."""
+
+    choices: int = 0
+    present: int = 0
+    verified: int = 0
+    lost: int = 0
+    wrong: int = 0
+    first_problem: str = ""
+
+    def bad(self, what: str, lost: bool) -> None:
+        if lost:
+            self.lost += 1
+        else:
+            self.wrong += 1
+        self.first_problem = self.first_problem or what
+
+
+def inline_array(b64: str) -> np.ndarray:
+    """vLLM's inline routes: base64 of an ``.npy`` of (rows, MoE layers, top-k) expert ids."""
+    return np.load(io.BytesIO(base64.b64decode(b64)), allow_pickle=False)
+
+
+def check_inline(choices: list[Choice], layers: int, top_k: int) -> RouteTally:
+    """The peer's routes: one array per choice, of the layout the model has."""
+    t = RouteTally(choices=len(choices))
+    for c in choices:
+        if not isinstance(c.route, str):
+            t.bad(f"group {c.group} choice {c.index}: no routes in the response", True)
+            continue
+        t.present += 1
+        a = inline_array(c.route)
+        rows = len(c.prompt_ids) + len(c.token_ids) - 1
+        if a.shape != (rows, layers, top_k):
+            t.bad(f"group {c.group} choice {c.index}: shape {a.shape}, expected "
+                  f"{(rows, layers, top_k)}", False)  # fmt: skip
+            continue
+        t.verified += 1
+    return t
+
+
+def _wrong(c: Choice, rec: RouteRecord, layers: int, top_k: int) -> str | None:
+    h = c.route
+    if rec.num_tokens != h["num_rows"]:
+        return f"{rec.num_tokens} rows, the handle said {h['num_rows']}"
+    if rec.token_ids.tolist() != c.prompt_ids + c.token_ids:
+        return "token ids differ from the response's"
+    if len(rec.moe_layers) != layers or rec.top_k != top_k:
+        return f"layout {len(rec.moe_layers)} x top-{rec.top_k}, expected {layers} x top-{top_k}"
+    if int(rec.valid.sum()) != h["num_valid_rows"]:
+        return f"{int(rec.valid.sum())} valid rows, the handle said {h['num_valid_rows']}"
+    return None
+
+
+def check_handles(
+    choices: list[Choice], redis_url: str, layers: int, top_k: int, keep: set[tuple[int, int]]
+) -> tuple[RouteTally, dict[tuple[int, int], RouteRecord]]:
+    """routereplay's routes: every handle says stored, and every record reads back whole
+    (each chunk against its content address) and matches the response; the records of the
+    choices in ``keep`` (group, index) are returned for comparison."""
+    t = RouteTally(choices=len(choices))
+    kept: dict[tuple[int, int], RouteRecord] = {}
+    stored = []
+    for c in choices:
+        if isinstance(c.route, dict) and c.route.get("status") == "stored":
+            stored.append(c)
+        else:
+            t.bad(f"group {c.group} choice {c.index}: handle {c.route!r:.200}", True)
+    t.present = len(stored)
+    with RouteStore.from_url(redis_url) as store:
+        for lo in range(0, len(stored), 64):
+            part = stored[lo : lo + 64]
+            try:
+                recs = store.get_many([c.route["route_id"] for c in part])
+            except RouteError as e:
+                for c in part:
+                    t.bad(f"{c.route['route_id']}: {e}", True)
+                continue
+            for c, rec in zip(part, recs, strict=True):
+                why = _wrong(c, rec, layers, top_k)
+                if why:
+                    t.bad(f"{c.route['route_id']}: {why}", False)
+                    continue
+                t.verified += 1
+                if (c.group, c.index) in keep:
+                    kept[(c.group, c.index)] = rec
+    return t, kept
+
+
+def compare_rows(
+    ours: RouteRecord, ref: np.ndarray, ref_tokens: list[int], start: int
+) -> tuple[int, int]:
+    """(cells equal, cells compared) of ``ours`` against ``ref`` (rows, layers, top-k) over the
+    valid rows both computed from the same tokens: rows ``start`` up to the first differing
+    token of the two sequences (a row is the forward pass of its token, which sees that token
+    and the ones before it); ids compared as sets."""
+    same = 0
+    for a, b in zip(ours.token_ids.tolist(), ref_tokens, strict=False):
+        if a != b:
+            break
+        same += 1
+    end = min(same, ours.num_tokens, len(ref))
+    if end <= start:
+        return 0, 0
+    valid = ours.valid[start:end]
+    x = np.sort(np.asarray(ours.experts[start:end])[valid], -1)
+    y = np.sort(np.asarray(ref[start:end])[valid], -1)
+    eq = (x == y).all(-1)
+    return int(eq.sum()), int(eq.size)

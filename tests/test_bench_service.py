@@ -1,0 +1,146 @@
+"""``routereplay bench service``'s parts that need no engine: the GRPO workload, the streamed
+chunk reader (its fast path must read what a JSON parse reads), the row comparison, the peer's
+route check and the report's ratios. The servers themselves run in the benchmark."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+
+from routereplay.bench import service, service_report
+from routereplay.bench.serving_load import Choice, Group, LevelLoad, _StreamState, make_groups
+from routereplay.bench.serving_probe import check_inline, compare_rows
+from routereplay.client import RouteRecord
+
+
+def test_groups_are_seeded_and_within_their_spans() -> None:
+    a = make_groups(50, 8, "512-2048", "256-1024", 151_936, seed=3)
+    assert a == make_groups(50, 8, "512-2048", "256-1024", 151_936, seed=3)
+    assert a != make_groups(50, 8, "512-2048", "256-1024", 151_936, seed=4)
+    assert all(512 <= len(g.prompt) <= 2048 and 256 <= g.max_tokens <= 1024 for g in a)
+    assert all(g.n == 8 and 3 <= min(g.prompt) and max(g.prompt) < 151_936 for g in a)
+    assert len({len(g.prompt) for g in a}) > 10  # lengths drawn, not fixed
+    fixed = make_groups(3, 1, "64", "32", 100, seed=0)
+    assert [(len(g.prompt), g.max_tokens) for g in fixed] == [(64, 32)] * 3
+
+
+def _sse(obj: dict, compact: bool) -> bytes:
+    sep = (",", ":") if compact else (", ", ": ")
+    return b"data: " + json.dumps(obj, separators=sep).encode()
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_stream_reader_fast_path_reads_what_a_parse_reads(compact: bool) -> None:
+    g = Group(0, [5, 6, 7], 2, 3, 0)
+    lines = [{"choices": [{"index": 0, "text": "", "finish_reason": None, "token_ids": None,
+                           "prompt_token_ids": [5, 6, 7]}]}]  # fmt: skip
+    for t in range(3):
+        for i in range(2):
+            fin = "length" if t == 2 else None
+            c = {"index": i, "text": "x", "finish_reason": fin, "token_ids": [100 * i + t]}
+            if fin:
+                c["routed_experts"] = {"route_id": f"r-{i}", "status": "stored"}
+            lines.append({"choices": [c]})
+    lines.append({"choices": [], "usage": {"completion_tokens": 6}})
+    st, lv = _StreamState(g), LevelLoad(1, True)
+    for k, obj in enumerate(lines):
+        st.chunk(_sse(obj, compact), float(k), lv)
+    assert st.prompt == [5, 6, 7]
+    assert st.tokens == {0: [0, 1, 2], 1: [100, 101, 102]}
+    assert st.routes == {0: {"route_id": "r-0", "status": "stored"},
+                         1: {"route_id": "r-1", "status": "stored"}}  # fmt: skip
+    assert lv.completion_tokens == 6
+    assert st.first == 0.0
+    # Choice 0 chunks at 0, 1, 3, 5; choice 1 at 2, 4, 6.
+    assert sorted(lv.itl) == [1.0, 2.0, 2.0, 2.0, 2.0]
+
+
+def test_stream_reader_raises_on_an_error_event() -> None:
+    st, lv = _StreamState(Group(0, [1], 1, 1, 0)), LevelLoad(1, True)
+    with pytest.raises(RuntimeError, match="boom"):
+        st.chunk(_sse({"error": {"message": "boom"}}, True), 0.0, lv)
+
+
+def _record(tokens: list[int], experts: np.ndarray) -> RouteRecord:
+    valid = np.ones(len(tokens), bool)
+    valid[-1] = False
+    experts = experts.copy()
+    experts[-1] = 0
+    return RouteRecord(token_ids=np.asarray(tokens), experts=experts, valid=valid,
+                       moe_layers=(0, 1), num_layers=2, num_experts=16, prompt_len=2)  # fmt: skip
+
+
+def _experts(rows: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    rows_ = [[rng.permutation(16)[:4] for _ in range(2)] for _ in range(rows)]
+    return np.stack(rows_).astype(np.uint8)
+
+
+def test_compare_rows_stops_at_the_first_different_token() -> None:
+    tokens = [1, 2, 3, 4, 5, 6]
+    e = _experts(6, 0)
+    rec = _record(tokens, e)
+    ref = e[:, :, ::-1].copy()  # the same sets in another slot order
+    assert compare_rows(rec, ref, tokens, 0) == (10, 10)  # 5 valid rows x 2 layers
+    ref[1, 0] = (ref[1, 0] + 1) % 16
+    assert compare_rows(rec, ref, tokens, 0) == (9, 10)
+    assert compare_rows(rec, ref, tokens, 2) == (6, 6)
+    # The sequences part at token 3: rows 0-2 saw the same tokens.
+    assert compare_rows(rec, e, [1, 2, 3, 9, 9, 9], 0) == (6, 6)
+    assert compare_rows(rec, e, [7], 0) == (0, 0)
+
+
+def _b64(a: np.ndarray) -> str:
+    buf = io.BytesIO()
+    np.save(buf, a)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_the_peer_check_counts_missing_and_misshapen_routes() -> None:
+    ok = Choice(0, 0, [1, 2], [3, 4], _b64(np.zeros((3, 2, 4), np.int32)))
+    short = Choice(0, 1, [1, 2], [3, 4], _b64(np.zeros((2, 2, 4), np.int32)))
+    missing = Choice(1, 0, [1, 2], [3, 4], None)
+    t = check_inline([ok, short, missing], layers=2, top_k=4)
+    assert (t.choices, t.present, t.verified, t.lost, t.wrong) == (3, 2, 1, 1, 1)
+    assert "shape (2, 2, 4)" in t.first_problem
+
+
+def test_vllm_flags_from_the_shared_engine_settings() -> None:
+    cfg = {"dtype": "bfloat16", "enforce_eager": False, "enable_prefix_caching": True,
+           "load_format": "dummy", "max_num_seqs": 256}  # fmt: skip
+    argv = service._vllm_argv(cfg, "/m", 8000, peer=True)
+    assert "--enable-return-routed-experts" in argv
+    assert "--enforce-eager" not in argv and "--enable-prefix-caching" in argv
+    assert argv[argv.index("--load-format") + 1] == "dummy"
+    assert "--enable-return-routed-experts" not in service._vllm_argv(cfg, "/m", 8000, False)
+    rr = service._rr_argv({**cfg, "max_model_len": 4096, "seed": 0,
+                           "gpu_memory_utilization": 0.8}, "/m", 1, "redis://x")  # fmt: skip
+    rest = json.loads(rr[rr.index("--engine-args") + 1])
+    assert rest == {"load_format": "dummy", "max_num_seqs": 256}  # the service sets the rest
+    assert "--no-enforce-eager" in rr
+
+
+def _row(server: str, mode: str, conc: int, tok_s: float, ttft: float | None) -> dict:
+    return {"server": server, "mode": mode, "concurrency": conc, "sequences": conc,
+            "wall_s": 10.0, "tok_s": tok_s, "e2e_p50": 1.0, "e2e_p99": 2.0, "ttft_p50": ttft,
+            "ttft_p99": ttft, "itl_p50": 0.01, "itl_p99": 0.02, "cpu_api_us_tok": 50.0,
+            "cpu_all_us_tok": 900.0, "errors": 0, "first_error": ""}  # fmt: skip
+
+
+def test_report_prints_ratios_to_the_floor_and_the_peer(tmp_path) -> None:
+    (tmp_path / "floor.json").write_text(json.dumps([_row("floor", "stream", 32, 1000, 0.2)]))
+    (tmp_path / "peer.json").write_text(json.dumps([_row("peer", "json", 32, 800, None)]))
+    rr = [_row("routereplay", "stream", 32, 990, 0.21), _row("routereplay", "json", 32, 1000, None)]
+    rr[1]["routes"] = {"choices": 32, "present": 32, "verified": 32, "lost": 0, "wrong": 0,
+                       "first_problem": ""}  # fmt: skip
+    (tmp_path / "routereplay.json").write_text(json.dumps(rr))
+    args = {"model": "m", "group_size": 8, "prompt_tokens": "1", "max_tokens": "1", "dtype": "x"}
+    text = service_report.report(tmp_path, args)
+    lines = text.splitlines()
+    assert any(ln.split()[:5] == ["floor", "stream", "32", "0.990", "1.050"] for ln in lines)
+    assert any(ln.split()[:4] == ["peer", "json", "32", "1.250"] for ln in lines)
+    assert any("32/32" in ln and ln.startswith("routereplay  json") for ln in lines)
