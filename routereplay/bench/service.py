@@ -9,8 +9,9 @@ Three servers, one at a time, with the same model, engine settings, prompts and 
   redis-server, a handle in the response).
 
 The load is GRPO groups (:mod:`.serving_load`) at each concurrency level: first non-streamed
-(how rollouts are sent; every server), then streamed for TTFT and ITL (``--stream also``;
-vLLM's server returns no routes in a stream, so the peer has no streamed pass). Per level:
+(how rollouts are sent), then streamed for TTFT and ITL (``--stream also``; vLLM's server
+returns no routes in a stream, so the peer's streamed pass times its engine-side capture and
+checks no routes). Per level:
 output tokens/s, end-to-end latency, TTFT, ITL, the server's CPU per generated token (the API
 process, and with its engine processes), and for routereplay its Redis traffic, the peak of
 ``routereplay_route_writes_pending``, and every route read back and checked
@@ -118,8 +119,8 @@ class _Bench:
         return row
 
     def routes(self, mode: str, conc: int, lv: LevelLoad) -> dict[str, Any]:
-        if self.server == "floor":
-            return {}
+        if self.server == "floor" or (self.server == "peer" and mode == "stream"):
+            return {}  # vLLM's server returns no routes in a stream
         keep = {(c.group, c.index) for c in lv.choices[: self.args.compare]}
         if self.server == "peer":
             tally = probe.check_inline(lv.choices, self.layers, self.top_k)
@@ -203,8 +204,6 @@ def _compare_peer(path: Path, mode: str, conc: int, kept: dict) -> dict[str, int
 
 def _levels(args: argparse.Namespace, server: str) -> list[tuple[str, int, int, int]]:
     modes = {"off": ["json"], "also": ["json", "stream"], "only": ["stream"]}[args.stream]
-    if server == "peer":  # vLLM's server returns no routes in a stream
-        modes = [m for m in modes if m == "json"]
     pairs = list(enumerate(zip(args.concurrency, args.sequences, strict=True)))
     return [(m, k, c, s) for m in modes for k, (c, s) in pairs]
 

@@ -12,7 +12,8 @@
 #   EXTRA (default /tmp/stage/extra): the service's wheels (zstandard, redis, hiredis,
 #     pydantic-settings, python-dotenv) and redis/ (tests/gpu/carry_redis.sh);
 #   .device/rr/routereplay-*.whl: this checkout as a wheel (`pip wheel --no-deps -w .device/rr .`).
-# LEVELS and SEQS override the concurrency levels and the sequences per level; logs and the rows
+# LEVELS and SEQS override the concurrency levels and the sequences per level, STREAM (also, off,
+# only) the streamed pass; logs and the rows
 # go to $OUT (or /tmp/rr-serving).
 set -u -o pipefail
 EXTRA=${EXTRA:-/tmp/stage/extra}
@@ -39,7 +40,7 @@ python3 -m routereplay.cli bench service --model $M --servers "${SERVERS:-floor,
   --dtype bfloat16 --max-model-len 4096 --gpu-memory-utilization 0.85 \
   --engine-args '{"load_format": "dummy"}' --group-size 8 --prompt-tokens 512-2048 \
   --max-tokens 256-1024 --concurrency "${LEVELS:-1,32,128,256}" --sequences "${SEQS:-2,32,128,256}" \
-  --stream also --results $R 2>&1 | tee -a "$LOGS/bench-gpu.log"
+  --stream "${STREAM:-also}" --results $R 2>&1 | tee -a "$LOGS/bench-gpu.log"
 rc=$?
 cp $R/*.json "$LOGS/" 2>/dev/null
 tail -n 40 $R/*.log >"$LOGS/server-logs-tail.txt" 2>/dev/null
