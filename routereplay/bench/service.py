@@ -44,6 +44,8 @@ from .serving_load import Choice, LevelLoad, make_groups, run_level
 __all__ = ["main"]
 
 SERVERS = ("floor", "peer", "routereplay")
+# Also on request: routereplay with its expert-load telemetry off, what that telemetry costs.
+STATS_OFF = "rr-stats-off"
 
 
 def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -102,6 +104,16 @@ class _Bench:
         n = min(self.args.group_size, conc)
         return make_groups(max(1, seqs // n), n, self.args.prompt_tokens, self.args.max_tokens,
                            self.args.vocab, seed=10 + k)  # fmt: skip
+
+    def warm_up(self) -> None:
+        """One burst at the largest concurrency with short completions, not measured: the
+        engine compiles kernels for the batch shapes it first meets (Triton's fused MoE JIT
+        among them), which would otherwise land in the first level's timings."""
+        conc = max(self.args.concurrency)
+        n = min(self.args.group_size, conc)
+        groups = make_groups(max(1, conc // n), n, self.args.prompt_tokens, "8",
+                             self.args.vocab, seed=99)  # fmt: skip
+        asyncio.run(run_level(self.base, "bench-model", groups, conc, False))
 
     def level(self, mode: str, k: int, conc: int, seqs: int) -> dict[str, Any]:
         groups = self.groups(conc, seqs, k)
@@ -210,18 +222,21 @@ def _levels(args: argparse.Namespace, server: str) -> list[tuple[str, int, int, 
 
 def _run_server(server: str, args: argparse.Namespace, model: str, logs: Path) -> list[dict]:
     cfg = _engine_config(args)
-    private = redis_server() if server == "routereplay" else contextlib.nullcontext(None)
+    ours = server in ("routereplay", STATS_OFF)
+    private = redis_server() if ours else contextlib.nullcontext(None)
     with private as url:
         port = free_port()
-        argv = (_rr_argv(cfg, model, port, url) if server == "routereplay"
+        argv = (_rr_argv(cfg, model, port, url) if ours
                 else _vllm_argv(cfg, model, port, server == "peer"))  # fmt: skip
+        if server == STATS_OFF:
+            argv += ["--routing-stats-window-s", "0"]
         base = f"http://127.0.0.1:{port}"
-        ready = base + ("/ready" if server == "routereplay" else "/v1/models")
+        ready = base + ("/ready" if ours else "/v1/models")
         print(f"starting {server} ...", flush=True)
         log = logs / f"{server}.log"
         with server_process(argv, ready, log, timeout_s=args.start_timeout_s) as p:
             b = _Bench(server, args, model, p.pid, base, url)
-            b.level("json", 99, 2, 2)  # warm-up: first-request costs
+            b.warm_up()
             rows = []
             for mode, k, conc, seqs in _levels(args, server):
                 rows.append(b.level(mode, k, conc, seqs))
@@ -235,7 +250,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="routereplay bench service", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--model", help="model path (default: the tiny Qwen3-MoE, built if missing)")
-    p.add_argument("--servers", default=",".join(SERVERS), help="which, in order (default: all)")
+    p.add_argument("--servers", default=",".join(SERVERS),
+                   help=f"which, in order (default: all three; also {STATS_OFF})")  # fmt: skip
     p.add_argument("--concurrency", type=ints, default=[1, 8, 32], help="sequences in flight")
     p.add_argument("--sequences", type=ints, default=[4, 32, 64], help="sequences per level")
     p.add_argument("--group-size", type=int, default=1, help="n: choices per request (GRPO: 8)")
@@ -270,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(args.concurrency) != len(args.sequences):
         p.error("--concurrency and --sequences need the same number of entries")
     servers = args.servers.split(",")
-    if set(servers) - set(SERVERS):
-        p.error(f"--servers: choose among {', '.join(SERVERS)}")
+    if set(servers) - {*SERVERS, STATS_OFF}:
+        p.error(f"--servers: choose among {', '.join(SERVERS)}, {STATS_OFF}")
     model = args.model
     if model is None:
         from routereplay.service.tiny_model import ensure_tiny_model
