@@ -18,7 +18,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "bench": (
         "routereplay.cli:_bench_main",
-        "benchmarks: store | service | trainer | routes | scale",
+        "benchmarks: store | service | trainer | routes | scale | tp",
     ),
     "experiment": (
         "routereplay.cli:_experiment_main",
@@ -46,6 +46,7 @@ _BENCHES: dict[str, str] = {
     "trainer": "routereplay.bench.trainer:main",
     "routes": "routereplay.bench.routes:main",
     "scale": "routereplay.bench.scale:main",
+    "tp": "routereplay.bench.tp:main",
 }
 
 

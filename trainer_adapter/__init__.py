@@ -33,6 +33,7 @@ from ._position_map import (
 )
 from ._prefetch import Prefetcher
 from ._report import VIOLATION_KINDS, ReplayReport, SampleDecision, step_scalars
+from ._share import TargetShareError, share_targets, sp_slice
 from ._targets import ReplayTargets, TargetBuffers, filler_experts, gather_targets
 from .errors import (
     MissingWeightsError,
@@ -80,6 +81,7 @@ __all__ = [
     "ShadowReport",
     "TargetBuffers",
     "TargetShapeError",
+    "TargetShareError",
     "TokenMismatchError",
     "attach_legacy_replay",
     "batch_coverage",
@@ -92,7 +94,9 @@ __all__ = [
     "multi_turn_sample",
     "padded_position_map",
     "sample_from_record",
+    "share_targets",
     "shared_prefix_sample",
+    "sp_slice",
     "step_scalars",
     "thd_cp_index",
     "thd_position_map",

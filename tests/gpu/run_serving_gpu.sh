@@ -110,7 +110,7 @@ fi
 
 if part bench; then
   say "-- bench service (vLLM's server and routereplay serve, tiny model, this GPU host)"
-  $PY -m routereplay.cli bench service --model $M/tiny --concurrency 1,8 --requests 8,32 \
+  $PY -m routereplay.cli bench service --model $M/tiny --concurrency 1,8 --sequences 8,32 \
     >"$LOGS/bench-service.log" 2>&1 || fail=1
   tail -n 12 "$LOGS/bench-service.log" | tee -a "$SUMMARY"
 fi
