@@ -27,7 +27,7 @@ def _routes(r: dict[str, Any]) -> str:
 
 
 def _cells(c: dict[str, int] | None) -> str:
-    return "-" if not c or not c["cells"] else f"{c['equal']}/{c['cells']}"
+    return "-" if c is None else f"{c['equal']}/{c['cells']}"
 
 
 def _redis(r: dict[str, Any]) -> str:
