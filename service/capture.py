@@ -10,6 +10,7 @@ import asyncio
 import base64
 import io
 import logging
+import time
 
 import numpy as np
 
@@ -161,10 +162,12 @@ class RouteCapture:
             log.warning("storing route %s refused: %s", route_id, handle.error)
             return handle
         self.pending += 1
+        t0 = time.perf_counter()
         try:
             return await self._store(store, route_id, fin, prompt_token_ids, request_id, handle)
         finally:
             self.pending -= 1
+            self.metrics.store_seconds.observe(time.perf_counter() - t0)
 
     async def _store(
         self,

@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector
 __all__ = ["ServiceMetrics", "VllmEngineMetrics"]
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_STORE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class ServiceMetrics:
@@ -57,6 +58,11 @@ class ServiceMetrics:
         self.inflight = Gauge(
             "routereplay_requests_inflight", "completion requests being served", registry=r
         )
+        # From a choice's end to its record stored (or refused): what its response waits for.
+        self.store_seconds = Histogram(
+            "routereplay_route_store_seconds", "time to store one choice's route record",
+            buckets=_STORE_BUCKETS, registry=r,
+        )  # fmt: skip
         self.pending_writes = Gauge(
             "routereplay_route_writes_pending", "route records waiting to be stored", registry=r
         )

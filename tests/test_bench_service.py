@@ -144,3 +144,14 @@ def test_report_prints_ratios_to_the_floor_and_the_peer(tmp_path) -> None:
     assert any(ln.split()[:5] == ["floor", "stream", "32", "0.990", "1.050"] for ln in lines)
     assert any(ln.split()[:4] == ["peer", "json", "32", "1.250"] for ln in lines)
     assert any("32/32" in ln and ln.startswith("routereplay  json") for ln in lines)
+
+
+def test_histogram_summary_reads_the_observations_between_two_reads() -> None:
+    from routereplay.bench.serving_probe import histogram_summary
+
+    before = {"sum": 1.0, "count": 10, "le=0.01": 8, "le=0.1": 10, "le=+Inf": 10}
+    after = {"sum": 3.0, "count": 110, "le=0.01": 60, "le=0.1": 109, "le=+Inf": 110}
+    s = histogram_summary(before, after)
+    assert s["n"] == 100 and abs(s["mean_s"] - 0.02) < 1e-12
+    assert s["p99_le_s"] == 0.1  # 99 of the 100 new ones are at most 0.1 s
+    assert histogram_summary(after, after) == {}

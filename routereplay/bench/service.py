@@ -44,6 +44,8 @@ from .serving_load import Choice, LevelLoad, make_groups, run_level
 __all__ = ["main"]
 
 SERVERS = ("floor", "peer", "routereplay")
+# What each choice's response waits for its route to be stored (routereplay's /metrics).
+_STORE_SECONDS = "routereplay_route_store_seconds"
 # Also on request: routereplay with its expert-load telemetry off, what that telemetry costs.
 STATS_OFF = "rr-stats-off"
 
@@ -119,6 +121,7 @@ class _Bench:
         groups = self.groups(conc, seqs, k)
         cpu0 = probe.group_cpu_s(self.pid)
         red0 = probe.redis_counters(self.redis_url) if self.redis_url else None
+        store0 = probe.histogram(f"{self.base}/metrics", _STORE_SECONDS)
         with probe.max_gauge(f"{self.base}/metrics", "routereplay_route_writes_pending") as peak:
             lv = asyncio.run(run_level(self.base, "bench-model", groups, conc, mode == "stream"))
         cpu1 = probe.group_cpu_s(self.pid)
@@ -127,6 +130,8 @@ class _Bench:
         if red0 is not None:
             red1 = probe.redis_counters(self.redis_url)
             row["redis"] = {k: red1[k] - red0[k] for k in red0}
+            store1 = probe.histogram(f"{self.base}/metrics", _STORE_SECONDS)
+            row["store_wait"] = probe.histogram_summary(store0, store1)
         row.update(self.routes(mode, conc, lv))
         return row
 

@@ -37,7 +37,14 @@ def _redis(r: dict[str, Any]) -> str:
     return (f"{red['total_net_input_bytes'] / r['wall_s'] / 1e6:.1f} MB/s "
             f"{red['total_commands_processed'] / r['wall_s']:.0f} cmd/s "
             f"{red.get('cpu_s', 0) / r['wall_s']:.3f} cores "
-            f"peak pending {r['writes_pending_peak']:.0f}")  # fmt: skip
+            f"peak pending {r['writes_pending_peak']:.0f}{_store_wait(r)}")  # fmt: skip
+
+
+def _store_wait(r: dict[str, Any]) -> str:
+    w = r.get("store_wait")
+    if not w:
+        return ""
+    return f"; store wait mean {w['mean_s'] * 1e3:.1f} ms, p99 <= {w['p99_le_s'] * 1e3:.0f} ms"
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:

@@ -19,7 +19,8 @@ from routereplay.client import RouteError, RouteRecord, RouteStore
 from .serving_load import Choice
 
 __all__ = ["RouteTally", "check_handles", "check_inline", "compare_rows", "group_cpu_s",
-           "inline_array", "max_gauge", "redis_counters"]  # fmt: skip
+           "histogram", "histogram_summary", "inline_array", "max_gauge",
+           "redis_counters"]  # fmt: skip
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -86,6 +87,36 @@ def max_gauge(metrics_url: str, name: str, every_s: float = 0.25) -> Iterator[li
         loop.call_soon_threadsafe(stop.set)
         t.join(10)
         loop.close()
+
+
+def histogram(metrics_url: str, name: str) -> dict[str, float]:
+    """A Prometheus histogram read once: ``sum``, ``count`` and each bucket's cumulative count
+    keyed ``le=<bound>``; empty if the endpoint does not export it."""
+    out: dict[str, float] = {}
+    with contextlib.suppress(httpx.HTTPError):
+        for line in httpx.get(metrics_url, timeout=10).text.splitlines():
+            if line.startswith(name + "_sum "):
+                out["sum"] = float(line.split()[1])
+            elif line.startswith(name + "_count "):
+                out["count"] = float(line.split()[1])
+            elif line.startswith(name + '_bucket{le="'):
+                le = line.split('"')[1]
+                out["le=" + le] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def histogram_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean and p99 (the upper bound of the bucket it falls in) of the observations between
+    two reads of one histogram."""
+    n = after.get("count", 0.0) - before.get("count", 0.0)
+    if n <= 0:
+        return {}
+    p99 = float("inf")
+    for key in sorted((k for k in after if k.startswith("le=")), key=lambda k: float(k[3:])):
+        if after[key] - before.get(key, 0.0) >= 0.99 * n:
+            p99 = float(key[3:])
+            break
+    return {"n": n, "mean_s": (after["sum"] - before.get("sum", 0.0)) / n, "p99_le_s": p99}
 
 
 @dataclass

@@ -37,6 +37,9 @@ async def test_health_ready_metrics(svc: App) -> None:
     ):
         assert name in text, name
     assert await svc.metric("routereplay_routes_stored_total") == 2
+    # Each stored choice's wait for the store is one observation.
+    assert await svc.metric("routereplay_route_store_seconds_count") == 2
+    assert 0 < await svc.metric("routereplay_route_store_seconds_sum") < 10
     assert await svc.metric("routereplay_completion_tokens_total") == 6
     assert await svc.metric('routereplay_requests_total{endpoint="completions",status="200"}') == 2
     assert await svc.metric("routereplay_requests_inflight") == 0
