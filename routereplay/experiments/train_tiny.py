@@ -12,7 +12,8 @@ token stream (next-token loss plus a load-balancing loss), exported as a Hugging
     python -m routereplay.experiments.train_tiny stats --model MODEL_DIR --corpus corpus.npy
 
 ``--shape moe64`` trains a routing shape like a real MoE's instead (64 experts, top-8, 8 MoE
-layers); ``stats`` shows how learned a checkpoint's routing is against the same shape at init.
+layers), ``--shape moe128`` Qwen3-30B-A3B's router (128 experts, top-8) over 16 MoE layers;
+``stats`` shows how learned a checkpoint's routing is against the same shape at init.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CONFIG", "MOE64", "SHAPES", "main", "routing_stats"]
+__all__ = ["CONFIG", "MOE64", "MOE128", "SHAPES", "main", "routing_stats"]
 
 # The shape trained: the tiny model's vocabulary and tokenizer, wider layers, 16 experts.
 CONFIG: dict[str, Any] = {
@@ -75,7 +76,11 @@ MOE64: dict[str, Any] = {
     "num_experts_per_tok": 8,
 }
 
-SHAPES: dict[str, dict[str, Any]] = {"trained": CONFIG, "moe64": MOE64}
+# The router of a production MoE at a trainable size: Qwen3-30B-A3B's 128 experts and top-8,
+# over 16 MoE layers (26 M parameters); trained on a GPU for the mismatch experiment's wider row.
+MOE128: dict[str, Any] = {**MOE64, "num_hidden_layers": 16, "num_experts": 128}
+
+SHAPES: dict[str, dict[str, Any]] = {"trained": CONFIG, "moe64": MOE64, "moe128": MOE128}
 
 
 def prepare(out: Path, max_bytes: int = 6 << 20) -> None:

@@ -54,3 +54,22 @@ def test_moe64_trains_exports_and_has_routing_stats(tmp_path: Path) -> None:
         assert 8 / 64 <= layer["topk_mass"] <= 1.0  # the top-8 hold at least their share
         assert layer["load_max_over_mean"] >= 1.0
         assert 0.0 <= layer["unused_experts"] < 1.0
+
+
+def test_moe128_has_the_production_router_and_trains(tmp_path: Path) -> None:
+    """The wider shape (Qwen3-30B-A3B's 128 experts, top-8, over 16 MoE layers) builds, takes a
+    training step and exports a checkpoint of that layout."""
+    from routereplay.experiments import bridge
+    from routereplay.service.model_info import moe_layout
+
+    corpus = tmp_path / "corpus.npy"
+    np.save(corpus, np.random.default_rng(0).integers(3, 1024, 5_000).astype(np.uint16))
+    raw = tmp_path / "raw"
+    log = _tiny("train", "--shape", "moe128", "--corpus", str(corpus), "--out", str(raw),
+                "--steps", "1", "--batch", "1", "--seq", "16", "--device", "cpu")  # fmt: skip
+    assert json.loads(log.strip().splitlines()[-1])["step"] == 0
+    cfg, weights = bridge.load_hf_checkpoint(raw)
+    _, moe, experts, top_k = moe_layout(cfg)
+    assert (len(moe), experts, top_k) == (16, 128, 8)
+    gates = [k for k in weights if k.endswith("mlp.gate.weight")]
+    assert len(gates) == 16 and all(tuple(weights[k].shape) == (128, 128) for k in gates)
