@@ -3,7 +3,8 @@
 # engine samples the rollouts (bf16 and float32), then the same weights in Megatron-Core and in
 # transformers on the same GPU compute their logprobs with replay off, ids, ids + weights (and
 # the float32 router). Models: the sharp tiny variant (built here), and `trained`, `moe64` and
-# `moe128` (128 experts, top-8, 16 MoE layers) trained here for TRAIN_S seconds each, at once.
+# `moe128` (128 experts, top-8, 16 MoE layers) trained here at once, STEPS steps (the learning
+# rate schedule's length) or TRAIN_S seconds each, whichever ends first.
 #
 # Run from the repository root on the GPU machine after the vLLM bundle of
 # ../shared/gpu/README.md is installed into /tmp/site. Carried beside it: EXTRA (default
@@ -37,7 +38,7 @@ if part train; then
   pids=()
   for x in trained moe64 moe128; do
     $PY -m routereplay.experiments.train_tiny train --corpus "$EXTRA/corpus.npy" --shape $x \
-      --out $M/$x-w --steps 100000 --max-seconds "${TRAIN_S:-120}" --device cuda \
+      --out $M/$x-w --steps "${STEPS:-2000}" --max-seconds "${TRAIN_S:-120}" --device cuda \
       >"$LOGS/train-$x.log" 2>&1 &
     pids+=($!)
   done
