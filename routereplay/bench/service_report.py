@@ -44,7 +44,7 @@ def _store_wait(r: dict[str, Any]) -> str:
     w = r.get("store_wait")
     if not w:
         return ""
-    return f"; store wait mean {w['mean_s'] * 1e3:.1f} ms, p99 <= {w['p99_le_s'] * 1e3:.0f} ms"
+    return f"; store wait mean {w['mean_s'] * 1e3:.1f} ms, p99 <= {w['p99_le_s'] * 1e3:g} ms"
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:
