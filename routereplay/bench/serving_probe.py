@@ -8,6 +8,7 @@ import base64
 import contextlib
 import io
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import numpy as np
 
 from routereplay.client import RouteError, RouteRecord, RouteStore
 
+from .loadtest import _check, _Sent
 from .serving_load import Choice
 
 __all__ = ["RouteTally", "check_handles", "check_inline", "compare_rows", "group_cpu_s",
@@ -77,8 +79,6 @@ def max_gauge(metrics_url: str, name: str, every_s: float = 0.25) -> Iterator[li
 
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
-    import threading
-
     t = threading.Thread(target=lambda: loop.run_until_complete(poll(stop)), daemon=True)
     t.start()
     try:
@@ -162,16 +162,14 @@ def check_inline(choices: list[Choice], layers: int, top_k: int) -> RouteTally:
 
 
 def _wrong(c: Choice, rec: RouteRecord, layers: int, top_k: int) -> str | None:
-    h = c.route
-    if rec.num_tokens != h["num_rows"]:
-        return f"{rec.num_tokens} rows, the handle said {h['num_rows']}"
-    if rec.token_ids.tolist() != c.prompt_ids + c.token_ids:
-        return "token ids differ from the response's"
-    if len(rec.moe_layers) != layers or rec.top_k != top_k:
-        return f"layout {len(rec.moe_layers)} x top-{rec.top_k}, expected {layers} x top-{top_k}"
-    if int(rec.valid.sum()) != h["num_valid_rows"]:
-        return f"{int(rec.valid.sum())} valid rows, the handle said {h['num_valid_rows']}"
-    return None
+    """What is wrong with ``c``'s record against its response (``loadtest``'s check: rows,
+    token ids, valid rows and layout as the handle says), then against the model's layout;
+    named by route id."""
+    rid = c.route["route_id"]
+    why = _check(_Sent(rid, c.route, c.prompt_ids + c.token_ids), rec)
+    if why is None and (len(rec.moe_layers) != layers or rec.top_k != top_k):
+        why = f"{rid}: layout {len(rec.moe_layers)} x top-{rec.top_k}, expected {layers} x {top_k}"
+    return why
 
 
 def check_handles(
@@ -201,7 +199,7 @@ def check_handles(
             for c, rec in zip(part, recs, strict=True):
                 why = _wrong(c, rec, layers, top_k)
                 if why:
-                    t.bad(f"{c.route['route_id']}: {why}", False)
+                    t.bad(why, False)
                     continue
                 t.verified += 1
                 if (c.group, c.index) in keep:
