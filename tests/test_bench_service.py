@@ -7,6 +7,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -155,3 +157,45 @@ def test_histogram_summary_reads_the_observations_between_two_reads() -> None:
     assert s["n"] == 100 and abs(s["mean_s"] - 0.02) < 1e-12
     assert s["p99_le_s"] == 0.1  # 99 of the 100 new ones are at most 0.1 s
     assert histogram_summary(after, after) == {}
+
+
+def test_py_spy_samples_every_process_of_the_server_group(tmp_path) -> None:
+    """``--py-spy``: each process of the server's group gets its own raw profile, and the
+    busiest frame of a spinning engine-like child is its spin function."""
+    import subprocess
+    import sys
+    import time
+
+    from routereplay.bench import pyspy
+    from routereplay.bench.serving_probe import group_pids
+
+    script = tmp_path / "server.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "def spin_in_child():\n"
+        "    while True:\n"
+        "        sum(range(1000))\n"
+        "if sys.argv[1:] == ['child']:\n"
+        "    spin_in_child()\n"
+        "subprocess.Popen([sys.executable, __file__, 'child'])\n"
+        "time.sleep(60)\n"
+    )
+    server = subprocess.Popen([sys.executable, str(script)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while len(group_pids(server.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = group_pids(server.pid)
+        assert server.pid in pids and len(pids) == 2
+        with pyspy.recording(pids, tmp_path / "prof", "server-json-c1") as files:
+            time.sleep(1.5)
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    assert sorted(f.name.split("-")[3] for f in files) == sorted(str(p) for p in pids)
+    child = next(f for f in files if f.name.split("-")[3] != str(server.pid))
+    frame, share = pyspy.top_frames(child, 1)[0]
+    assert frame.startswith("spin_in_child") and share > 0.5
+    parent = next(f for f in files if f.name.split("-")[3] == str(server.pid))
+    inclusive = dict(pyspy.top_frames(parent, 5, leaf=False))
+    assert any(f.startswith("<module>") for f in inclusive)

@@ -19,6 +19,9 @@ process, and with its engine processes), and for routereplay its Redis traffic, 
 compared row by row with the peer's inline routes for the same seeded requests (the rows both
 computed from the same tokens), and a sample with the engine's own prefill of the stored tokens.
 
+``--py-spy DIR`` samples the server's processes with py-spy during each level
+(:mod:`.pyspy`) and prints each one's busiest frames: where an engine step's time goes.
+
 Servers can run in separate invocations that share ``--results`` (a GPU host whose calls are
 short): each adds its rows, and the report covers every server found there.
 """
@@ -31,11 +34,13 @@ import contextlib
 import json
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from routereplay.local_redis import free_port, redis_server
 
+from . import pyspy
 from . import serving_probe as probe
 from .servers import server_process
 from .service_report import report
@@ -122,7 +127,10 @@ class _Bench:
         cpu0 = probe.group_cpu_s(self.pid)
         red0 = probe.redis_counters(self.redis_url) if self.redis_url else None
         store0 = probe.histogram(f"{self.base}/metrics", _STORE_SECONDS)
-        with probe.max_gauge(f"{self.base}/metrics", "routereplay_route_writes_pending") as peak:
+        with (
+            self.profiled(f"{self.server}-{mode}-c{conc}"),
+            probe.max_gauge(f"{self.base}/metrics", "routereplay_route_writes_pending") as peak,
+        ):
             lv = asyncio.run(run_level(self.base, "bench-model", groups, conc, mode == "stream"))
         cpu1 = probe.group_cpu_s(self.pid)
         row = _timings(self.server, mode, lv, cpu0, cpu1)
@@ -134,6 +142,20 @@ class _Bench:
             row["store_wait"] = probe.histogram_summary(store0, store1)
         row.update(self.routes(mode, conc, lv))
         return row
+
+    @contextlib.contextmanager
+    def profiled(self, tag: str) -> Iterator[None]:
+        """With ``--py-spy DIR``: every server process sampled while the level runs, and each
+        one's busiest frames printed after it."""
+        if self.args.py_spy is None:
+            yield
+            return
+        with pyspy.recording(probe.group_pids(self.pid), self.args.py_spy, tag) as files:
+            yield
+        for f in files:
+            if f.exists():
+                top = ", ".join(f"{share:.0%} {frame}" for frame, share in pyspy.top_frames(f, 6))
+                print(f"py-spy {f.name}: {top}", flush=True)
 
     def routes(self, mode: str, conc: int, lv: LevelLoad) -> dict[str, Any]:
         if self.server == "floor" or (self.server == "peer" and mode == "stream"):
@@ -282,6 +304,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--results", type=Path, help="folder the rows accumulate in (default: temporary)"
     )
+    p.add_argument("--py-spy", type=Path, metavar="DIR",
+                   help="sample the server's processes with py-spy during each level; raw "
+                        "collapsed stacks go to DIR")  # fmt: skip
     return p
 
 

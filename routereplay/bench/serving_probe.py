@@ -21,7 +21,7 @@ from .loadtest import _check, _Sent
 from .serving_load import Choice
 
 __all__ = ["RouteTally", "check_handles", "check_inline", "compare_rows", "group_cpu_s",
-           "histogram", "histogram_summary", "inline_array", "max_gauge",
+           "group_pids", "histogram", "histogram_summary", "inline_array", "max_gauge",
            "redis_counters"]  # fmt: skip
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -34,18 +34,26 @@ def _cpu_of(pid: int) -> tuple[int, float]:
     return int(fields[2]), (int(fields[11]) + int(fields[12])) / _TICK
 
 
-def group_cpu_s(leader: int) -> tuple[float, float]:
-    """CPU seconds of ``leader`` alone and of every live process in its process group (the
-    server and the engine processes it started), Linux only."""
-    own = total = 0.0
+def group_pids(leader: int) -> list[int]:
+    """The live processes of ``leader``'s process group (the server and the engine processes
+    it started), Linux only."""
+    pids = []
     for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
+        if name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if _cpu_of(int(name))[0] == leader:
+                    pids.append(int(name))
+    return pids
+
+
+def group_cpu_s(leader: int) -> tuple[float, float]:
+    """CPU seconds of ``leader`` alone and of every live process in its process group."""
+    own = total = 0.0
+    for pid in group_pids(leader):
         with contextlib.suppress(OSError, IndexError, ValueError):
-            pgid, cpu = _cpu_of(int(name))
-            if pgid == leader:
-                total += cpu
-                own += cpu if int(name) == leader else 0.0
+            cpu = _cpu_of(pid)[1]
+            total += cpu
+            own += cpu if pid == leader else 0.0
     return own, total
 
 

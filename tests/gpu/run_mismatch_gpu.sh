@@ -11,8 +11,11 @@
 # /tmp/stage/extra) with the service's wheels, megatron-core 0.19.2, corpus.npy (`train_tiny
 # prepare`) and redis/ (tests/gpu/carry_redis.sh); .device/rr/routereplay-*.whl (this checkout as
 # a wheel). PARTS (default "train rollouts trainers") picks the steps; MODELS the models
-# (default "sharp trained moe64 moe128"). Each model's rollouts are sampled once (one engine
-# start per dtype) and both trainers read them. Logs and JSON go to $OUT (or /tmp/rr-mismatch).
+# (default "sharp trained moe64 moe128"), PARALLEL=1 runs them at once on the GPU; ARGS the
+# experiment's sampling (default 12 prompts x 4 choices x 64 tokens). Each model's rollouts are
+# sampled once per dtype (an engine start each) and both trainers read them. SKIP_INSTALL=1
+# skips the install (done by an earlier script in the same call). Logs and JSON go to $OUT (or
+# /tmp/rr-mismatch). DEV=cpu SKIP_INSTALL=1 PY=.venv/bin/python rehearses it on a CPU machine.
 set -u
 EXTRA=${EXTRA:-/tmp/stage/extra}
 LOGS=${OUT:-/tmp/rr-mismatch}
@@ -21,14 +24,16 @@ mkdir -p "$LOGS" $M
 export PYTHONUNBUFFERED=1
 export VLLM_USE_FLASHINFER_SAMPLER=0  # the trimmed bundle has no flashinfer (its README)
 unset VLLM_WORKER_MULTIPROC_METHOD
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site "$EXTRA"/*.whl .device/rr/*.whl || exit 1
+[ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+  --no-cache-dir --upgrade --target /tmp/site "$EXTRA"/*.whl .device/rr/*.whl || exit 1
 export PYTHONPATH=/tmp/site PATH="$EXTRA/redis:$PATH"
+PY=${PY:-python3}
+[[ $PY == */* && $PY != /* ]] && PY=$PWD/$PY  # relative to the checkout, before the cd
 cd /tmp  # not the checkout: its routereplay/ folder would shadow the installed package
-PY=python3
+DEV=${DEV:-cuda}
 say() { echo "$*" | tee -a "$LOGS/results-mismatch.log"; }
 part() { [[ " ${PARTS:-train rollouts trainers} " == *" $1 "* ]]; }
-say "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+say "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
 fail=0
 
 if part train; then
@@ -38,7 +43,7 @@ if part train; then
   pids=()
   for x in trained moe64 moe128; do
     $PY -m routereplay.experiments.train_tiny train --corpus "$EXTRA/corpus.npy" --shape $x \
-      --out $M/$x-w --steps "${STEPS:-2000}" --max-seconds "${TRAIN_S:-120}" --device cuda \
+      --out $M/$x-w --steps "${STEPS:-2000}" --max-seconds "${TRAIN_S:-120}" --device $DEV \
       >"$LOGS/train-$x.log" 2>&1 &
     pids+=($!)
   done
@@ -52,23 +57,43 @@ if part train; then
   say "-- training $(( $(date +%s) - t0 ))s"
 fi
 
+# one_model X: X's rollouts in each dtype (an engine start each, so a dtype that fails costs only
+# its own rows), then Megatron-Core and transformers on them.
+one_model() {
+  local x=$1 dt t0
+  for dt in bfloat16 float32; do
+    t0=$(date +%s)
+    if part rollouts; then
+      $PY -m routereplay.cli experiment mismatch --model $M/$x --device $DEV --router-fp32 \
+        --dtypes $dt $ARGS --save-rollouts "$LOGS/rollouts-$x-$dt.json" \
+        --json "$LOGS/mismatch-$x-$dt-megatron.json" >"$LOGS/mismatch-$x-$dt-megatron.txt" 2>&1 ||
+        fail=1
+    fi
+    if part trainers; then
+      $PY -m routereplay.cli experiment mismatch --trainer hf --device $DEV \
+        --from-rollouts "$LOGS/rollouts-$x-$dt.json" --model-dir $M/$x \
+        --json "$LOGS/mismatch-$x-$dt-hf.json" >"$LOGS/mismatch-$x-$dt-hf.txt" 2>&1 || fail=1
+    fi
+    say "-- $x $dt: rollouts, Megatron-Core, transformers $(( $(date +%s) - t0 ))s"
+  done
+  return $fail
+}
+
+ARGS=${ARGS:---prompts 12 --group 4 --max-tokens 64}
+if [ -n "${PARALLEL:-}" ]; then
+  # Every model at once on the one GPU: each engine takes a fixed KV cache instead of profiling
+  # free memory, which the other engines starting beside it would skew.
+  export ROUTEREPLAY_GPU_MEMORY_UTILIZATION=0.15
+  export ROUTEREPLAY_ENGINE_ARGS='{"kv_cache_memory_bytes": 8589934592}'
+fi
+pids=()
 for x in ${MODELS:-sharp trained moe64 moe128}; do
-  if part rollouts; then
-    t0=$(date +%s)
-    $PY -m routereplay.cli experiment mismatch --model $M/$x --device cuda --router-fp32 \
-      --dtypes bfloat16,float32 --save-rollouts "$LOGS/rollouts-$x.json" \
-      --json "$LOGS/mismatch-$x-megatron.json" >"$LOGS/mismatch-$x-megatron.txt" 2>&1 || fail=1
-    say "-- $x: rollouts + Megatron $(( $(date +%s) - t0 ))s"
-    tail -n 14 "$LOGS/mismatch-$x-megatron.txt" | tee -a "$LOGS/results-mismatch.log"
-  fi
-  if part trainers; then
-    t0=$(date +%s)
-    $PY -m routereplay.cli experiment mismatch --trainer hf --device cuda \
-      --from-rollouts "$LOGS/rollouts-$x.json" --model-dir $M/$x \
-      --json "$LOGS/mismatch-$x-hf.json" >"$LOGS/mismatch-$x-hf.txt" 2>&1 || fail=1
-    say "-- $x: transformers $(( $(date +%s) - t0 ))s"
-    tail -n 10 "$LOGS/mismatch-$x-hf.txt" | tee -a "$LOGS/results-mismatch.log"
-  fi
+  if [ -n "${PARALLEL:-}" ]; then one_model $x & pids+=($!); else one_model $x || fail=1; fi
+done
+for p in "${pids[@]}"; do wait "$p" || fail=1; done
+for f in "$LOGS"/mismatch-*.txt; do
+  say "-- ${f##*/}"
+  tail -n 12 "$f" | tee -a "$LOGS/results-mismatch.log"
 done
 rm -f "$LOGS"/rollouts-*.json  # large; the JSON results hold the figures
 say "== exit $fail"

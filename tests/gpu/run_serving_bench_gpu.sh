@@ -8,27 +8,30 @@
 # A device call lasts at most 10 minutes, so SERVERS (default all three) names the servers one
 # call runs; rows gather in /tmp/rr-bench (kept while the machine stays warm), so calls of
 # SERVERS=floor, SERVERS=peer, SERVERS=routereplay back to back make one report. The first call
-# installs, after the vLLM bundle of ../shared/gpu/README.md is in /tmp/site. Carried beside it:
+# installs (unless SKIP_INSTALL=1: an earlier script did), after the vLLM bundle of
+# ../shared/gpu/README.md is in /tmp/site. Carried beside it:
 #   EXTRA (default /tmp/stage/extra): the service's wheels (zstandard, redis, hiredis,
 #     pydantic-settings, python-dotenv) and redis/ (tests/gpu/carry_redis.sh);
 #   .device/rr/routereplay-*.whl: this checkout as a wheel (`pip wheel --no-deps -w .device/rr .`).
 # LEVELS and SEQS override the concurrency levels and the sequences per level, STREAM (also, off,
-# only) the streamed pass; logs and the rows
-# go to $OUT (or /tmp/rr-serving).
+# only) the streamed pass; PYSPY=1 samples the server's processes with py-spy during each level
+# (`--py-spy`, the py-spy wheel carried in EXTRA). Logs, rows and profiles go to LOGS (default
+# $OUT, or /tmp/rr-serving); RESULTS replaces /tmp/rr-bench, for two runs at once on two GPUs
+# (CUDA_VISIBLE_DEVICES picks each one's).
 set -u -o pipefail
 EXTRA=${EXTRA:-/tmp/stage/extra}
-R=/tmp/rr-bench
-LOGS=${OUT:-/tmp/rr-serving}
+R=${RESULTS:-/tmp/rr-bench}
+LOGS=${LOGS:-${OUT:-/tmp/rr-serving}}
 M=/tmp/rr-models/q30b
 mkdir -p "$LOGS" "$R"
 export PYTHONUNBUFFERED=1
 export VLLM_USE_FLASHINFER_SAMPLER=0  # the trimmed bundle has no flashinfer (its README)
 unset VLLM_WORKER_MULTIPROC_METHOD
-export PYTHONPATH=/tmp/site PATH="$EXTRA/redis:$PATH"
+export PYTHONPATH=/tmp/site PATH="$EXTRA/redis:/tmp/site/bin:$PATH"
 REPO=$PWD
 if [ ! -e $R/installed ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "$EXTRA"/*.whl .device/rr/*.whl || exit 1
+  [ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/site "$EXTRA"/*.whl .device/rr/*.whl || exit 1
   mkdir -p $M && cp tests/gpu/qwen3-30b-a3b-config.json $M/config.json
   python3 tests/gpu/vocab_tokenizer.py $M || exit 1
   touch $R/installed
@@ -40,7 +43,7 @@ python3 -m routereplay.cli bench service --model $M --servers "${SERVERS:-floor,
   --dtype bfloat16 --max-model-len 4096 --gpu-memory-utilization 0.85 \
   --engine-args '{"load_format": "dummy"}' --group-size 8 --prompt-tokens 512-2048 \
   --max-tokens 256-1024 --concurrency "${LEVELS:-1,32,128,256}" --sequences "${SEQS:-2,32,128,256}" \
-  --stream "${STREAM:-also}" --results $R 2>&1 | tee -a "$LOGS/bench-gpu.log"
+  --stream "${STREAM:-also}" --results $R ${PYSPY:+--py-spy "$LOGS/pyspy"} 2>&1 | tee -a "$LOGS/bench-gpu.log"
 rc=$?
 cp $R/*.json "$LOGS/" 2>/dev/null
 tail -n 40 $R/*.log >"$LOGS/server-logs-tail.txt" 2>/dev/null

@@ -5,6 +5,11 @@ own data-parallel rank, so its own records). Every rank checks what share_target
 against gather_targets on its own position map (every byte), for each case: the whole rows
 (sequence parallel off), the SP slices, uint16 ids with a replay mask, and a source whose
 preparation fails. Exits 1 on any difference; prints one line per case.
+
+With a fourth argument ``nccl`` (WORLD 2 or 4, one GPU per rank: tests/gpu/run_share_gpu.sh)
+the default group is NCCL, as in a Megatron trainer, and the shares travel over gloo groups
+made beside it; each rank then installs its ids on its GPU and gathers them over the NCCL TP
+group, which must rebuild the group's whole rows.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import os
 import sys
 
 import numpy as np
+import torch
 import torch.distributed as dist
 from test_trainer_alignment import MOE, make_record
 
@@ -47,11 +53,34 @@ def same(a: ReplayTargets, b: ReplayTargets) -> bool:
     return all(getattr(a, k) == getattr(b, k) for k in fields)
 
 
+def _same_on_gpus(got: ReplayTargets, whole: ReplayTargets, group, rank: int, case: str) -> bool:
+    """Install ``got``'s ids on this rank's GPU and gather them over the NCCL TP group: the
+    two ranks' rows, joined (SP halves) or each (whole rows), are the group's whole rows."""
+    ids = torch.from_numpy(got.experts.astype(np.int32)).cuda()
+    parts = [torch.empty_like(ids) for _ in range(2)]
+    dist.all_gather(parts, ids, group=group)
+    want = torch.from_numpy(whole.experts.astype(np.int32)).cuda()
+    rows = 1  # experts is [layers, rows, k]
+    joined = parts if got.num_tokens == whole.num_tokens else [torch.cat(parts, dim=rows)]
+    ok = all(torch.equal(p, want) for p in joined)
+    print(f"rank {rank} {case}: on GPU {torch.cuda.current_device()}, gathered over NCCL: "
+          f"{'whole rows' if ok else 'DIFFERENT'}")  # fmt: skip
+    return ok
+
+
 def main() -> int:
     rank, world, port = (int(x) for x in sys.argv[1:4])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    nccl = sys.argv[4:] == ["nccl"]
+    if nccl:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world,
+                                device_id=torch.device("cuda", rank))  # fmt: skip
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    tp_ranks = [[r, r + 1] for r in range(0, world, 2)]
+    groups = [dist.new_group(r, backend="gloo") for r in tp_ranks]  # every rank makes each
+    nccl_groups = [dist.new_group(r) for r in tp_ranks] if nccl else []
     dp, tp_rank = divmod(rank, 2)
     group, src = groups[dp], 2 * dp
     ok = True
@@ -74,6 +103,10 @@ def main() -> int:
         good = same(got, want) and got.experts.dtype == (np.uint16 if E > 256 else np.uint8)
         print(f"rank {rank} {case}: {'same' if good else 'DIFFERENT'} rows {got.num_tokens}")
         ok &= good
+        if nccl:
+            whole = gather_targets(pm.local(tp_size=2, sequence_parallel=False), recs, MOE,
+                                   own_routing=own)  # fmt: skip
+            ok &= _same_on_gpus(got, whole, nccl_groups[dp], rank, case)
 
     def broken() -> ReplayTargets:
         raise KeyError("route r-7 is gone")

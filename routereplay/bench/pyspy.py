@@ -1,0 +1,78 @@
+"""py-spy recordings of a server's processes while a level runs (``bench service --py-spy``).
+
+Each process of the server's process group (the API process and its engine processes) is
+sampled by its own ``py-spy record`` with idle frames kept, so time a thread spends waiting (on
+the GPU, a socket, a lock) shows as the Python frame it waits in. The output is py-spy's raw
+collapsed stacks (``flamegraph.pl`` and speedscope read them), one file per process, and
+:func:`top_frames` ranks a file's frames by the share of samples they appear in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["recording", "top_frames"]
+
+
+def _comm(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    return "gone"
+
+
+@contextlib.contextmanager
+def recording(pids: list[int], out: Path, tag: str, rate: int = 100) -> Iterator[list[Path]]:
+    """Sample ``pids`` with py-spy until the block ends; yields the files being written,
+    ``out/{tag}-{pid}-{process name}.txt`` (a process that is not Python leaves none)."""
+    # pip puts py-spy beside the interpreter, which need not be on PATH (a venv not activated)
+    exe = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if exe is None:
+        raise RuntimeError("--py-spy needs the py-spy executable on PATH (pip install py-spy)")
+    out.mkdir(parents=True, exist_ok=True)
+    files, procs = [], []
+    for pid in pids:
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", _comm(pid))
+        files.append(out / f"{tag}-{pid}-{name}.txt")
+        argv = [exe, "record", "--pid", str(pid), "--rate", str(rate), "--idle", "--threads",
+                "--nonblocking", "--format", "raw", "--output", str(files[-1])]  # fmt: skip
+        log = open(files[-1].with_suffix(".log"), "wb")
+        procs.append((subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT), log))
+    time.sleep(0.5)  # py-spy attaches before the level's first request
+    try:
+        yield files
+    finally:
+        for p, _ in procs:
+            p.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        for p, log in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+            log.close()
+
+
+def top_frames(path: Path, n: int = 10, leaf: bool = True) -> list[tuple[str, float]]:
+    """The ``n`` frames of a raw collapsed-stack file with the largest share of its samples:
+    as the innermost frame (``leaf``: where the time is spent), or anywhere on the stack
+    (inclusive; thread labels left out)."""
+    counts: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, k = line.rpartition(" ")
+        if not stack or not k.isdigit():
+            continue
+        frames = stack.split(";")
+        total += int(k)
+        picked = frames[-1:] if leaf else {f for f in frames[1:]}
+        for f in picked:
+            counts[f] += int(k)
+    return [(f, c / total) for f, c in counts.most_common(n)] if total else []
