@@ -196,6 +196,9 @@ def test_py_spy_samples_every_process_of_the_server_group(tmp_path) -> None:
     child = next(f for f in files if f.name.split("-")[3] != str(server.pid))
     frame, share = pyspy.top_frames(child, 1)[0]
     assert frame.startswith("spin_in_child") and share > 0.5
+    assert pyspy.shares(child, ["spin_in_child", "no_such_frame"]) == {
+        "spin_in_child": pytest.approx(1.0), "no_such_frame": 0.0}  # fmt: skip
+    assert pyspy.main([str(child), "--frame", "spin_in_child"]) == 0
     parent = next(f for f in files if f.name.split("-")[3] == str(server.pid))
     inclusive = dict(pyspy.top_frames(parent, 5, leaf=False))
     assert any(f.startswith("<module>") for f in inclusive)

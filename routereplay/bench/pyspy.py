@@ -4,7 +4,8 @@ Each process of the server's process group (the API process and its engine proce
 sampled by its own ``py-spy record`` with idle frames kept, so time a thread spends waiting (on
 the GPU, a socket, a lock) shows as the Python frame it waits in. The output is py-spy's raw
 collapsed stacks (``flamegraph.pl`` and speedscope read them), one file per process, and
-:func:`top_frames` ranks a file's frames by the share of samples they appear in.
+:func:`top_frames` ranks a thread's frames by the share of its samples they appear in, and
+:func:`shares` measures the time under named frames (``python -m routereplay.bench.pyspy``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["recording", "top_frames"]
+__all__ = ["recording", "shares", "top_frames"]
 
 
 def _comm(pid: int) -> str:
@@ -60,19 +61,67 @@ def recording(pids: list[int], out: Path, tag: str, rate: int = 100) -> Iterator
             log.close()
 
 
-def top_frames(path: Path, n: int = 10, leaf: bool = True) -> list[tuple[str, float]]:
-    """The ``n`` frames of a raw collapsed-stack file with the largest share of its samples:
-    as the innermost frame (``leaf``: where the time is spent), or anywhere on the stack
-    (inclusive; thread labels left out)."""
-    counts: Counter[str] = Counter()
-    total = 0
+def _stacks(path: Path, thread: str | None) -> Iterator[tuple[list[str], int]]:
+    """(frames outermost first, samples) of each stack in ``path``, of the threads whose label
+    contains ``thread`` (all with None)."""
     for line in path.read_text(errors="replace").splitlines():
         stack, _, k = line.rpartition(" ")
         if not stack or not k.isdigit():
             continue
         frames = stack.split(";")
-        total += int(k)
-        picked = frames[-1:] if leaf else {f for f in frames[1:]}
-        for f in picked:
-            counts[f] += int(k)
+        if thread is None or thread in frames[0]:
+            yield frames[1:], int(k)  # frames[0] is py-spy's thread label (--threads)
+
+
+def top_frames(
+    path: Path, n: int = 10, leaf: bool = True, thread: str | None = "MainThread"
+) -> list[tuple[str, float]]:
+    """The ``n`` frames of a raw collapsed-stack file with the largest share of ``thread``'s
+    samples: as the innermost frame (``leaf``: where the time is spent, waits included), or
+    anywhere on the stack (inclusive)."""
+    counts: Counter[str] = Counter()
+    total = 0
+    for frames, k in _stacks(path, thread):
+        total += k
+        for f in frames[-1:] if leaf else set(frames):
+            counts[f] += k
     return [(f, c / total) for f, c in counts.most_common(n)] if total else []
+
+
+def shares(path: Path, patterns: list[str], thread: str | None = "MainThread") -> dict[str, float]:
+    """The share of ``thread``'s samples whose stack has a frame matching each regex: the
+    time inside what the pattern names (a function, a module), waits included."""
+    regexes = {p: re.compile(p) for p in patterns}
+    hits = dict.fromkeys(patterns, 0)
+    total = 0
+    for frames, k in _stacks(path, thread):
+        total += k
+        for p, rx in regexes.items():
+            if any(rx.search(f) for f in frames):
+                hits[p] += k
+    return {p: h / total for p, h in hits.items()} if total else {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m routereplay.bench.pyspy",
+        description="Shares of a thread's samples in py-spy raw profiles (bench service --py-spy)",
+    )
+    ap.add_argument("files", nargs="+", type=Path)
+    ap.add_argument("--thread", default="MainThread", help="a substring of py-spy's thread label")
+    ap.add_argument("--frame", action="append", default=[], help="a regex (repeat); default: "
+                    "the thread's busiest innermost frames")  # fmt: skip
+    args = ap.parse_args(argv)
+    for f in args.files:
+        print(f.name)
+        rows = (shares(f, args.frame, args.thread).items() if args.frame
+                else top_frames(f, 12, thread=args.thread))  # fmt: skip
+        for frame, share in rows:
+            print(f"  {share:6.1%}  {frame}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

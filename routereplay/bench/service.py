@@ -20,7 +20,8 @@ compared row by row with the peer's inline routes for the same seeded requests (
 computed from the same tokens), and a sample with the engine's own prefill of the stored tokens.
 
 ``--py-spy DIR`` samples the server's processes with py-spy during each level
-(:mod:`.pyspy`) and prints each one's busiest frames: where an engine step's time goes.
+(:mod:`.pyspy`) and prints each one's main-thread frames that hold the most samples: where
+an engine step's time goes.
 
 Servers can run in separate invocations that share ``--results`` (a GPU host whose calls are
 short): each adds its rows, and the report covers every server found there.
@@ -146,7 +147,7 @@ class _Bench:
     @contextlib.contextmanager
     def profiled(self, tag: str) -> Iterator[None]:
         """With ``--py-spy DIR``: every server process sampled while the level runs, and each
-        one's busiest frames printed after it."""
+        one's main-thread frames with the most samples printed after it."""
         if self.args.py_spy is None:
             yield
             return

@@ -87,11 +87,13 @@ if [ -n "${PARALLEL:-}" ]; then
   export ROUTEREPLAY_ENGINE_ARGS='{"kv_cache_memory_bytes": 8589934592}'
 fi
 pids=()
+part rollouts || part trainers || MODELS=" "  # PARTS=train: nothing to sample
 for x in ${MODELS:-sharp trained moe64 moe128}; do
   if [ -n "${PARALLEL:-}" ]; then one_model $x & pids+=($!); else one_model $x || fail=1; fi
 done
 for p in "${pids[@]}"; do wait "$p" || fail=1; done
 for f in "$LOGS"/mismatch-*.txt; do
+  [ -e "$f" ] || continue
   say "-- ${f##*/}"
   tail -n 12 "$f" | tee -a "$LOGS/results-mismatch.log"
 done
