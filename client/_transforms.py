@@ -326,10 +326,14 @@ def _keep_split(lm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 _POP = np.array([bin(b).count("1") for b in range(256)], dtype=np.int32)
 
 
-# Ids joined per slice of whole (block, layer) units: the join's temporaries (a byte of change
-# bits, a prefix count and an 8-byte rank per id) stay a few MiB whatever a record's size, so a
-# decode allocates little beyond the rows it returns.
-_JOIN_SLICE = 1 << 18
+# Ids joined per slice of whole (block, layer) units: the join's temporaries (two bytes of
+# change bits and prefix count, an 8-byte rank and the joined id per id) stay about 10 MiB
+# whatever a record's size, so a decode allocates little beyond the rows it returns.
+_JOIN_SLICE = 1 << 20
+# From this many streams of under 256 tokens, the prefix count runs token by token: one vector
+# add across every stream per token (numpy's cumsum along a row of 128 is a scalar loop, about
+# 2 ns per id; the adds cost about 0.1 ns per id plus a call per token).
+_TOKEN_MAJOR_MIN_STREAMS = 1024
 
 
 def keep_join(
@@ -374,23 +378,40 @@ def _join_slice(
     masks: np.ndarray, values: np.ndarray, done: int, n_streams: int, T: int
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """``n_streams`` streams of ``T`` ids from the change bits at the start of ``masks``, whose
-    first id is ``values[done]``: (the streams ``[n_streams, T]``, ids per stream), or None
-    where a stream has no first id or the bits count more ids than ``values`` holds."""
+    first id is ``values[done]``: (the streams ``[n_streams, T]``, possibly a transposed view;
+    ids per stream), or None where a stream has no first id or the bits count more ids than
+    ``values`` holds."""
     bits = np.unpackbits(masks, count=n_streams * T).reshape(n_streams, T)
+    if not bits[:, 0].all():
+        return None
+    token_major = n_streams >= _TOKEN_MAJOR_MIN_STREAMS and T < 256
     # The rank within each stream fits a byte for streams of up to 255 tokens (store chunks),
     # two up to 65535 (whole records); the stream's first value's index is added after, into
     # intp: numpy's take converts any other index dtype first, which cost more than the gather.
-    local = np.cumsum(
-        bits, axis=1, dtype=np.uint8 if T < 256 else np.uint16 if T < 65536 else np.intp
-    )
-    counts = local[:, -1].astype(np.intp)
+    if token_major:
+        local = _token_prefix_count(bits)  # [T, n_streams]
+        counts = local[-1].astype(np.intp)
+    else:
+        local = np.cumsum(bits, axis=1, dtype=np.uint8 if T < 256 else np.uint16 if T < 65536
+                          else np.intp)  # fmt: skip
+        counts = local[:, -1].astype(np.intp)
     base = np.cumsum(counts)
-    if not bits[:, 0].all() or done + int(base[-1]) > values.size:
+    if done + int(base[-1]) > values.size:
         return None
     base -= counts
     base += done - 1
-    rank = np.add(local, base[:, None], dtype=np.intp)
-    return values.take(rank), counts
+    if token_major:
+        return values.take(np.add(local, base, dtype=np.intp)).T, counts
+    return values.take(np.add(local, base[:, None], dtype=np.intp)), counts
+
+
+def _token_prefix_count(bits: np.ndarray) -> np.ndarray:
+    """The running count of set bits along each row of ``bits`` ``[S, T]`` (``T`` < 256), as
+    ``[T, S]`` uint8: token by token, one add across all ``S`` streams each."""
+    bt = np.ascontiguousarray(bits.T)
+    for t in range(1, bt.shape[0]):
+        np.add(bt[t - 1], bt[t], out=bt[t])
+    return bt
 
 
 def canonicalize(lm: np.ndarray) -> np.ndarray:

@@ -213,13 +213,22 @@ def test_per_layer_blocks_round_trip(E: int) -> None:
     K=st.sampled_from([1, 2, 3, 8]),
     keep=st.sampled_from([0.0, 0.5, 0.97, 1.0]),
     wide=st.booleans(),
+    token_major=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_a_batch_keep_join_equals_joins_block_by_block(
-    G: int, M: int, T: int, K: int, keep: float, wide: bool, seed: int
+    G: int, M: int, T: int, K: int, keep: float, wide: bool, token_major: bool, seed: int
 ) -> None:
     # Kept fractions from "only each stream's first id" to "every id new"; T not a multiple of 8
-    # puts blocks' change bits across byte boundaries (no padding between blocks).
+    # puts blocks' change bits across byte boundaries (no padding between blocks). token_major:
+    # the prefix count runs token by token across streams from any stream count (else never).
+    with mock.patch.object(X, "_TOKEN_MAJOR_MIN_STREAMS", 1 if token_major else 1 << 62):
+        _check_batch_keep_join(G, M, T, K, keep, wide, seed)
+
+
+def _check_batch_keep_join(
+    G: int, M: int, T: int, K: int, keep: float, wide: bool, seed: int
+) -> None:
     rng = np.random.default_rng(seed)
     dt, E = (np.uint16, 65536) if wide else (np.uint8, 256)
     blocks = [

@@ -1,7 +1,9 @@
 """How chunk decoding scales with threads on this host: zstd alone against the whole chunk
 decode (headers, zstd, rows, the blake3 address check; what RouteStore's decode threads run),
 and get_many, on bench trainer's default batch (~1500 distinct chunks). Prints one line per
-thread count (DIAG_THREADS, default "1 2 4 8 16"). Run by tests/gpu/run_bench_host.sh."""
+thread count (DIAG_THREADS, default "1 2 4 8 16"); DIAG_PROFILE=1 first prints cProfile's
+heaviest functions of one decode of every chunk in one call, on this thread. Run by
+tests/gpu/run_bench_host.sh."""
 
 from __future__ import annotations
 
@@ -45,6 +47,18 @@ def copy_split(pool: ThreadPoolExecutor, n: int, src: np.ndarray, dst: np.ndarra
     list(pool.map(lambda i: np.copyto(out[i : i + k], src[i : i + k]), range(0, src.size, k)))
 
 
+def profile(chunks: list) -> None:
+    import cProfile
+    import pstats
+
+    decode_chunks(chunks)  # warm: the first call allocates what later ones reuse
+    pr = cProfile.Profile()
+    pr.enable()
+    decode_chunks(chunks)
+    pr.disable()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(15)
+
+
 def main() -> None:
     threads = [int(x) for x in os.environ.get("DIAG_THREADS", "1 2 4 8 16").split()]
     a = argparse.Namespace(tokens=262_144, layers=48, experts=128, topk=8, prompt_len=1024,
@@ -68,6 +82,8 @@ def main() -> None:
         dst = np.empty_like(src)
         print(f"{len(chunks)} chunks, {out_mb:.0f} MB decoded, {os.cpu_count()} CPUs; "
               f"floor (get_raw) {floor:.4f} s")  # fmt: skip
+        if os.environ.get("DIAG_PROFILE"):
+            profile(chunks)
         for n in threads:
             with ThreadPoolExecutor(n) as pool:
                 zs = split(bodies, n * 4)
