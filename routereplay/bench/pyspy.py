@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["recording", "shares", "top_frames"]
+__all__ = ["executable", "recording", "shares", "top_frames"]
 
 
 def _comm(pid: int) -> str:
@@ -30,12 +30,17 @@ def _comm(pid: int) -> str:
     return "gone"
 
 
+def executable() -> str | None:
+    """py-spy's path: on PATH, or beside this interpreter (pip installs it there, and a venv
+    that is not activated is not on PATH)."""
+    return shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+
+
 @contextlib.contextmanager
 def recording(pids: list[int], out: Path, tag: str, rate: int = 100) -> Iterator[list[Path]]:
     """Sample ``pids`` with py-spy until the block ends; yields the files being written,
     ``out/{tag}-{pid}-{process name}.txt`` (a process that is not Python leaves none)."""
-    # pip puts py-spy beside the interpreter, which need not be on PATH (a venv not activated)
-    exe = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    exe = executable()
     if exe is None:
         raise RuntimeError("--py-spy needs the py-spy executable on PATH (pip install py-spy)")
     out.mkdir(parents=True, exist_ok=True)

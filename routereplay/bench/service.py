@@ -316,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if len(args.concurrency) != len(args.sequences):
         p.error("--concurrency and --sequences need the same number of entries")
+    if args.py_spy is not None and pyspy.executable() is None:
+        p.error("--py-spy needs the py-spy executable (pip install py-spy)")
     servers = args.servers.split(",")
     if set(servers) - {*SERVERS, STATS_OFF}:
         p.error(f"--servers: choose among {', '.join(SERVERS)}, {STATS_OFF}")
