@@ -34,26 +34,28 @@ def _cpu_of(pid: int) -> tuple[int, float]:
     return int(fields[2]), (int(fields[11]) + int(fields[12])) / _TICK
 
 
-def group_pids(leader: int) -> list[int]:
-    """The live processes of ``leader``'s process group (the server and the engine processes
-    it started), Linux only."""
-    pids = []
+def _group(leader: int) -> Iterator[tuple[int, float]]:
+    """(pid, CPU seconds) of each live process of ``leader``'s process group (the server and
+    the engine processes it started), from one read of each /proc/PID/stat; Linux only."""
     for name in os.listdir("/proc"):
         if name.isdigit():
             with contextlib.suppress(OSError, IndexError, ValueError):
-                if _cpu_of(int(name))[0] == leader:
-                    pids.append(int(name))
-    return pids
+                pgid, cpu = _cpu_of(int(name))
+                if pgid == leader:
+                    yield int(name), cpu
+
+
+def group_pids(leader: int) -> list[int]:
+    """The live processes of ``leader``'s process group."""
+    return [pid for pid, _ in _group(leader)]
 
 
 def group_cpu_s(leader: int) -> tuple[float, float]:
     """CPU seconds of ``leader`` alone and of every live process in its process group."""
     own = total = 0.0
-    for pid in group_pids(leader):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            cpu = _cpu_of(pid)[1]
-            total += cpu
-            own += cpu if pid == leader else 0.0
+    for pid, cpu in _group(leader):
+        total += cpu
+        own += cpu if pid == leader else 0.0
     return own, total
 
 
