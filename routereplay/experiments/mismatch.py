@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -552,9 +553,14 @@ def _rollouts(args: argparse.Namespace) -> list[dict[str, Any]]:
                 r["model"] = str(args.model_dir)
         return all_rollouts
     from routereplay.service.tiny_model import VARIANTS, ensure_tiny_model
+    from routereplay.service.vllm_engine import on_cpu_host
 
     model = ensure_tiny_model(args.model) if args.model in VARIANTS else Path(args.model)
-    all_rollouts = [collect_rollouts(model, d, args) for d in args.dtypes.split(",")]
+    dtypes = args.dtypes.split(",")
+    # On a CPU host the dtypes' engines start and sample side by side (a start-up is mostly one
+    # core's work); on a GPU each engine claims most of its memory, so they run one at a time.
+    with ThreadPoolExecutor(len(dtypes) if on_cpu_host() else 1) as pool:
+        all_rollouts = list(pool.map(lambda d: collect_rollouts(model, d, args), dtypes))
     if args.save_rollouts:
         args.save_rollouts.write_text(json.dumps(all_rollouts))
     return all_rollouts

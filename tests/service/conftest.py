@@ -1,7 +1,13 @@
-"""Service test fixtures: ONE routereplay service (one vLLM engine) for the whole session.
+"""Service test fixtures: one routereplay service (one vLLM engine) per engine configuration for
+the whole session.
 
-The service runs as a real ``routereplay serve`` subprocess on a free loopback port, storing
-into the pytest session's private redis-server (``redis_url`` from tests/conftest.py).
+- ``service``: the embedded default, whose weights never change (other modules compare its
+  routes with an offline engine).
+- ``rl_service``: the RL control API's engine, as an admin, with file loads under its weights
+  root and the scheduler's test hold (``service/_test_hold.py``); its weights change.
+
+Each runs as a real ``routereplay serve`` subprocess on a free loopback port, storing into the
+pytest session's private redis-server (``redis_url`` from tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -16,12 +22,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from routereplay.bench.servers import engine_env, server_process
+from routereplay.bench.servers import Server, engine_env, server_processes
 from routereplay.client import RouteStore
 from routereplay.local_redis import free_port
+from routereplay.service import _test_hold
 from routereplay.service.tiny_model import ensure_tiny_model
 
 MODEL_NAME = "tiny-qwen3-moe-moe"
+RL_ADMIN = "ops:" + "f" * 24
+RL_AUTH = {"Authorization": "Bearer " + "f" * 24}
 
 
 def engine_core_pids(parent: int) -> list[int]:
@@ -73,12 +82,11 @@ def dense_first_model(model_dir: Path) -> Path:
     return ensure_tiny_model("dense-first", model_dir)
 
 
-@contextlib.contextmanager
-def start_service(
+def service_spec(
     redis_url: str, tiny_model: Path, log_dir: Path, *flags: str, env: dict[str, str] | None = None
-) -> Iterator[tuple[Service, subprocess.Popen]]:
-    """A ``routereplay serve`` of the tiny model (its own engine) on a free port; ``env`` is
-    added to its environment."""
+) -> tuple[Server, Service]:
+    """A ``routereplay serve`` of the tiny model (its own engine) on a free port, to start;
+    ``env`` is added to its environment."""
     port = free_port()
     log = log_dir / "serve.log"
     argv = [
@@ -86,11 +94,27 @@ def start_service(
         "--redis-url", redis_url, "--model-dir", str(tiny_model.parent),
         "--max-model-len", "2048", "--log-level", "warning", *flags,
     ]  # fmt: skip
-    with server_process(
-        argv, f"http://127.0.0.1:{port}/ready", log, engine_env(**(env or {}))
-    ) as proc:
-        url = f"http://127.0.0.1:{port}"
-        yield Service(url, MODEL_NAME, tiny_model, redis_url, log), proc
+    url = f"http://127.0.0.1:{port}"
+    server = Server(argv, f"{url}/ready", log, engine_env(**(env or {})))
+    return server, Service(url, MODEL_NAME, tiny_model, redis_url, log)
+
+
+@contextlib.contextmanager
+def start_service(
+    redis_url: str, tiny_model: Path, log_dir: Path, *flags: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[Service, subprocess.Popen]]:
+    """:func:`service_spec`, started; yields once it is ready."""
+    with start_services([service_spec(redis_url, tiny_model, log_dir, *flags, env=env)]) as [out]:
+        yield out
+
+
+@contextlib.contextmanager
+def start_services(
+    specs: list[tuple[Server, Service]],
+) -> Iterator[list[tuple[Service, subprocess.Popen]]]:
+    """Several :func:`service_spec` started at once: their engines' start-ups overlap."""
+    with server_processes([server for server, _ in specs]) as procs:
+        yield [(svc, proc) for (_, svc), proc in zip(specs, procs, strict=True)]
 
 
 @pytest.fixture(scope="session")
@@ -105,3 +129,35 @@ def service(
 def http(service: Service) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=service.url, timeout=120.0) as c:
         yield c
+
+
+@dataclass
+class RLService:
+    """The RL engine: ``weights_root`` is its ``--weights-root``; requests named ``held-*``
+    park after their first tokens until :meth:`release` (``service/_test_hold.py``)."""
+
+    service: Service
+    proc: subprocess.Popen
+    weights_root: Path
+    hold_dir: Path
+
+    def client(self, timeout: float = 120.0) -> httpx.Client:
+        return httpx.Client(base_url=self.service.url, headers=RL_AUTH, timeout=timeout)
+
+    def release(self, request_id: str) -> None:
+        assert request_id.startswith(_test_hold.PREFIX), request_id
+        (self.hold_dir / request_id).touch()
+
+
+@pytest.fixture(scope="session")
+def rl_service(
+    redis_url: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RLService]:
+    d = tmp_path_factory.mktemp("rl-service")
+    root, hold = d / "weights", d / "hold"
+    root.mkdir()
+    hold.mkdir()
+    flags = ("--route-prefix", "rl", "--admin-keys", RL_ADMIN, "--weights-root", str(root))
+    env = {_test_hold.ENV: str(hold)}
+    with start_service(redis_url, tiny_model, d, *flags, env=env) as (svc, proc):
+        yield RLService(svc, proc, root, hold)

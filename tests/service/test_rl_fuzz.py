@@ -1,16 +1,14 @@
 """A fuzz run of the RL control API on the real engine, as an admin: generated requests (valid and
 not) for every RL operation in /openapi.json; none may answer 5xx, and the engine serves after.
 
-Runs its own service: the fuzz pauses, resumes and relabels its weights."""
+Runs on the session's RL engine (``rl_service``): the fuzz pauses, resumes and relabels its
+weights."""
 
 from __future__ import annotations
 
 import shutil
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import hypothesis
 import pytest
 import schemathesis
@@ -18,12 +16,10 @@ from schemathesis.checks import not_a_server_error
 
 from routereplay.service import Settings, create_app
 
-from .conftest import Service, start_service
+from .conftest import RL_AUTH, RLService, Service
 
 pytestmark = pytest.mark.vllm
 
-ADMIN = "ops:" + "f" * 24
-AUTH = {"Authorization": "Bearer " + "f" * 24}
 RL_TAG = "RL control (vLLM's API)"
 
 schema = schemathesis.openapi.from_dict(
@@ -33,20 +29,11 @@ schema = schemathesis.openapi.from_dict(
 _SERVICE: dict[str, Service] = {}
 
 
-@pytest.fixture(scope="module")
-def own(
-    redis_url: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Service, subprocess.Popen]]:
-    root = tmp_path_factory.mktemp("fuzz-weights")
-    shutil.copytree(tiny_model, root / "ckpt")  # one good checkpoint, for the paths that find it
-    flags = ("--route-prefix", "fuzz", "--admin-keys", ADMIN, "--weights-root", str(root))
-    with start_service(redis_url, tiny_model, tmp_path_factory.mktemp("fuzz"), *flags) as out:
-        yield out
-
-
 @pytest.fixture(autouse=True, scope="module")
-def _server(own: tuple[Service, subprocess.Popen]) -> None:
-    _SERVICE["svc"] = own[0]
+def _server(rl_service: RLService, tiny_model: Path) -> None:
+    # One good checkpoint, for the paths that find it.
+    shutil.copytree(tiny_model, rl_service.weights_root / "ckpt", dirs_exist_ok=True)
+    _SERVICE["svc"] = rl_service.service
 
 
 def test_the_schema_covers_every_rl_operation() -> None:
@@ -63,13 +50,13 @@ def test_the_schema_covers_every_rl_operation() -> None:
     suppress_health_check=list(hypothesis.HealthCheck),
 )
 def test_no_5xx_from_any_rl_call(case: schemathesis.Case) -> None:
-    response = case.call(base_url=_SERVICE["svc"].url, headers=AUTH, timeout=60)
+    response = case.call(base_url=_SERVICE["svc"].url, headers=RL_AUTH, timeout=60)
     case.validate_response(response, checks=[not_a_server_error])
 
 
-def test_the_engine_serves_after_the_fuzz(own: tuple[Service, subprocess.Popen]) -> None:
-    service, proc = own
-    with httpx.Client(base_url=service.url, headers=AUTH, timeout=120) as c:
+def test_the_engine_serves_after_the_fuzz(rl_service: RLService) -> None:
+    service, proc = rl_service.service, rl_service.proc
+    with rl_service.client() as c:
         assert c.post("/resume").status_code == 200
         r = c.post("/reload_weights", json={"weights_path": "ckpt", "weight_version": "after"})
         assert r.status_code == 200, r.text

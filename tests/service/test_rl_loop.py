@@ -2,15 +2,16 @@
 every record says which weights routed it (spans across an update), prefix fills never cross
 weight versions.
 
-Runs its own service: vLLM's in-place reload is not bit-identical to a fresh load (reloading the
-original weights flipped 1 of 61 routed rows, a near-tie), so the pytest session's service, whose
-routes other modules compare with an offline engine, must keep its weights."""
+Runs on the session's RL engine (``rl_service``), not the session's ``service``: vLLM's in-place
+reload is not bit-identical to a fresh load (reloading the original weights flipped 1 of 61 routed
+rows, a near-tie), and ``service``, whose routes other modules compare with an offline engine,
+must keep its weights. Requests in flight across a pause or a reload are held by the scheduler's
+test hold, not made long."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ import pytest
 
 from routereplay.client import decode_record
 
-from .conftest import Service, engine_core_pids, start_service
+from .conftest import RL_AUTH, RLService, Service, engine_core_pids
 
 pytestmark = pytest.mark.vllm
 
@@ -41,32 +42,21 @@ def perturbed_checkpoint(src: Path, dst: Path) -> Path:
     return dst
 
 
-@pytest.fixture(scope="module")
-def own(
-    redis_url: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Service, subprocess.Popen]]:
-    log_dir = tmp_path_factory.mktemp("rl")
-    # Checkpoints are written to each test's tmp_path, inside the pytest session's temporary
-    # directory.
-    root = str(tmp_path_factory.getbasetemp())
-    flags = ("--route-prefix", "rl", "--weights-root", root)
-    with start_service(redis_url, tiny_model, log_dir, *flags) as (svc, proc):
-        yield svc, proc
-
-
-@pytest.fixture(scope="module")
-def own_service(own: tuple[Service, subprocess.Popen]) -> Service:
-    return own[0]
-
-
 @pytest.fixture()
-def rl(own_service: Service, tmp_path: Path) -> Iterator[tuple[httpx.Client, Path]]:
-    ckpt = perturbed_checkpoint(own_service.model_path, tmp_path / "step-1")
-    with httpx.Client(base_url=own_service.url, timeout=120) as c:
+def rl(rl_service: RLService, tmp_path: Path) -> Iterator[tuple[httpx.Client, Path]]:
+    # Under the engine's weights root, one directory per test.
+    step = rl_service.weights_root / tmp_path.name / "step-1"
+    ckpt = perturbed_checkpoint(rl_service.service.model_path, step)
+    with rl_service.client() as c:
         try:
             yield c, ckpt
         finally:
             c.post("/resume")
+            for rid in HELD:  # a failed test must not leave its request parked
+                rl_service.release(rid)
+
+
+HELD = ("held-cross", "held-live")
 
 
 def route(c: httpx.Client, rid: str):
@@ -83,10 +73,8 @@ def complete(c: httpx.Client, service: Service, prompt, rid: str, **extra) -> di
     return r.json()["choices"][0]
 
 
-def test_reload_changes_routes_and_labels_records(
-    rl, own: tuple[Service, subprocess.Popen]
-) -> None:
-    service, proc = own
+def test_reload_changes_routes_and_labels_records(rl, rl_service: RLService) -> None:
+    service, proc = rl_service.service, rl_service.proc
     c, ckpt = rl
     prompt = list(range(40, 240))
     h0 = complete(c, service, prompt, "rl-before")["routed_experts"]
@@ -112,35 +100,39 @@ def test_reload_changes_routes_and_labels_records(
     assert h2["routed_experts"]["weight_version"] == "step-1"
 
 
-def test_request_across_an_update_reports_its_spans(rl, own_service: Service) -> None:
-    service = own_service
+def stream(service: Service, rid: str, prompt: str, out: dict, started: threading.Event) -> None:
+    """A streamed completion as ``rid``: ``out["tokens"]`` counts its tokens, ``out["handle"]`` is
+    its final ``routed_experts``; ``started`` is set at its third token or when the stream ends."""
+    body = {"model": service.model, "prompt": prompt, "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "stream": True}  # fmt: skip
+    headers = {**RL_AUTH, "X-Request-Id": rid}
+    out["tokens"] = 0
+    try:
+        with httpx.stream("POST", f"{service.url}/v1/completions", json=body, timeout=600,
+                          headers=headers) as r:  # fmt: skip
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                choice = json.loads(line[len("data: ") :])["choices"][0]
+                out["tokens"] += len(choice.get("token_ids") or [])
+                if out["tokens"] >= 3:
+                    started.set()
+                if choice.get("finish_reason"):
+                    out["handle"] = choice["routed_experts"]
+    finally:
+        started.set()  # a failed stream must not leave the test waiting
+
+
+def test_request_across_an_update_reports_its_spans(rl, rl_service: RLService) -> None:
+    service = rl_service.service
     c, ckpt = rl
     assert c.post("/update_weight_version", json={"new_version": "before-cross"}).status_code == 200
-    out: dict = {"tokens": 0}
+    out: dict = {}
     tokens_arrived = threading.Event()
-
-    def run() -> None:
-        # Streamed, so the pause follows the first tokens; as long as the context allows, so the
-        # request is still far from its end when the pause lands.
-        body = {"model": service.model, "prompt": "cross the update", "max_tokens": 1900,
-                "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-                "stream": True}  # fmt: skip
-        try:
-            with httpx.stream("POST", f"{service.url}/v1/completions", json=body, timeout=600,
-                              headers={"X-Request-Id": "rl-cross"}) as r:  # fmt: skip
-                for line in r.iter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    choice = json.loads(line[len("data: ") :])["choices"][0]
-                    out["tokens"] += len(choice.get("token_ids") or [])
-                    if out["tokens"] >= 3:
-                        tokens_arrived.set()
-                    if choice.get("finish_reason"):
-                        out["handle"] = choice["routed_experts"]
-        finally:
-            tokens_arrived.set()  # a failed stream must not leave the test waiting
-
-    t = threading.Thread(target=run)
+    # Held by the scheduler after its first tokens: in flight until released below.
+    t = threading.Thread(
+        target=stream, args=(service, "held-cross", "cross the update", out, tokens_arrived)
+    )
     t.start()
     assert tokens_arrived.wait(timeout=600) and out["tokens"] >= 3, "no tokens streamed"
     assert c.post("/pause", params={"mode": "keep"}).status_code == 200
@@ -154,6 +146,8 @@ def test_request_across_an_update_reports_its_spans(rl, own_service: Service) ->
     assert w.is_alive(), "a request ran while the engine was paused"
     c.post("/reload_weights", json={"weights_path": str(ckpt), "weight_version": "after-cross"})
     assert c.get("/is_paused").json() == {"is_paused": True}  # a reload keeps the pause
+    assert t.is_alive(), "the held request finished before the update"
+    rl_service.release("held-cross")
     assert c.post("/resume").status_code == 200
     w.join(timeout=600)
     assert waiting["choice"]["routed_experts"]["weight_version"] == "after-cross"
@@ -161,44 +155,39 @@ def test_request_across_an_update_reports_its_spans(rl, own_service: Service) ->
     assert not t.is_alive(), "the request did not finish"
     h = out["handle"]
     assert h["status"] == "stored" and h["weight_version"] is None, h
+    assert out["tokens"] == 16
     versions = [s["version"] for s in h["weight_versions"]]
     assert versions == ["before-cross", "after-cross"], h["weight_versions"]
-    rec = route(c, "rl-cross-0")
+    rec = route(c, "held-cross-0")
     assert [s.version for s in rec.weight_versions] == versions
     assert rec.weight_versions[-1].stop == rec.num_tokens
 
 
-def test_a_reload_without_pause_freezes_running_requests(rl, own_service: Service) -> None:
+def test_a_reload_without_pause_freezes_running_requests(rl, rl_service: RLService) -> None:
     """Without /pause the reload pauses (mode keep) around the load itself: the running request
     finishes under the new weights and reports both versions' spans."""
-    service = own_service
+    service = rl_service.service
     c, ckpt = rl
     assert c.post("/update_weight_version", json={"new_version": "before-live"}).status_code == 200
     out: dict = {}
     started = threading.Event()
-
-    def run() -> None:
-        body = {"model": service.model, "prompt": "live reload", "max_tokens": 1900,
-                "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
-        try:
-            with httpx.stream("POST", f"{service.url}/v1/completions", json=body, timeout=600,
-                              headers={"X-Request-Id": "rl-live"}) as r:  # fmt: skip
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        started.set()
-                        choice = json.loads(line[len("data: ") :])["choices"][0]
-                        if choice.get("finish_reason"):
-                            out["handle"] = choice["routed_experts"]
-        finally:
-            started.set()
-
-    t = threading.Thread(target=run)
+    t = threading.Thread(target=stream, args=(service, "held-live", "live reload", out, started))
     t.start()
     assert started.wait(timeout=600)
     r = c.post("/reload_weights", json={"weights_path": str(ckpt), "weight_version": "after-live"})
     assert r.status_code == 200, r.text
     assert c.get("/is_paused").json() == {"is_paused": False}
+    assert t.is_alive(), "the held request finished before the reload"
+    rl_service.release("held-live")
     t.join(timeout=600)
     assert not t.is_alive()
     versions = [s["version"] for s in out["handle"]["weight_versions"]]
     assert versions == ["before-live", "after-live"], out["handle"]
+
+
+def test_without_the_hold_variable_no_request_is_held(service: Service) -> None:
+    """The session's default service runs without ROUTEREPLAY_TEST_HOLD_DIR, like every
+    deployment: a request named like a held one runs to its end."""
+    with httpx.Client(base_url=service.url, timeout=120) as c:
+        choice = complete(c, service, "not held", "held-never", max_tokens=12)
+    assert len(choice["token_ids"]) == 12 and choice["routed_experts"]["status"] == "stored"

@@ -9,7 +9,6 @@ on the other, and a dead replica's ids are free again after one lease.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
@@ -26,7 +25,7 @@ from routereplay.client import RouteNotFoundError, RoutesClient, RouteStore, dec
 from routereplay.local_redis import redis_cluster
 from routereplay.trainer_adapter import gather_targets, sample_from_record, thd_position_map
 
-from .conftest import MODEL_NAME, Service, start_service
+from .conftest import MODEL_NAME, Service, service_spec, start_services
 
 pytestmark = pytest.mark.vllm
 
@@ -45,13 +44,11 @@ def replicas(
 ) -> Iterator[tuple[Service, Service, object]]:
     """Replicas A and B (B's process is yielded too: the last test kills it)."""
     flags = ("--route-prefix", "so", "--request-id-lease-s", str(LEASE_S))
-    with contextlib.ExitStack() as stack:
-        a, _ = stack.enter_context(
-            start_service(cluster_url, tiny_model, tmp_path_factory.mktemp("replica-a"), *flags)
-        )
-        b, proc_b = stack.enter_context(
-            start_service(cluster_url, tiny_model, tmp_path_factory.mktemp("replica-b"), *flags)
-        )
+    specs = [
+        service_spec(cluster_url, tiny_model, tmp_path_factory.mktemp(name), *flags)
+        for name in ("replica-a", "replica-b")
+    ]
+    with start_services(specs) as [(a, _), (b, proc_b)]:
         yield a, b, proc_b
 
 

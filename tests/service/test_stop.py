@@ -6,12 +6,14 @@ its own engine: the stop is what is tested."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -99,28 +101,28 @@ def assert_clean(text: str) -> None:
     assert "received signal=SIGINT" not in text
 
 
-@pytest.mark.parametrize(
-    "group, sig",
-    [(True, signal.SIGINT), (False, signal.SIGTERM)],
-    ids=["ctrl-c", "sigterm"],
-)
-def test_stop_is_clean(
-    tiny_model: Path, redis_url: str, tmp_path: Path, group: bool, sig: signal.Signals
-) -> None:
-    log = tmp_path / "serve.log"
-    proc, url = start(tiny_model, redis_url, log)
-    wait_for(proc, log, lambda: ready(url))
-    # A request first, so the engine has run a step (its worker has state to tear down).
-    r = httpx.post(
-        url + "/v1/completions",
-        json={"model": "tiny-qwen3-moe-moe", "prompt": "stop", "max_tokens": 4},
-        timeout=120,
-    )
-    assert r.status_code == 200, r.text
-    assert_clean(stopped(proc, log, group=group, sig=sig))
-    assert not group_members(proc.pid), "a process of the service outlived it"
+CASES = {"ctrl-c": (True, signal.SIGINT), "sigterm": (False, signal.SIGTERM)}
 
 
+@pytest.fixture(scope="module")
+def services(
+    tiny_model: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, tuple[subprocess.Popen, str, Path]]]:
+    """One service per case of ``test_stop_is_clean``, all started at once (their start-ups
+    overlap each other's and the start of the test before them); each test stops its own."""
+    out = {}
+    for name in CASES:
+        log = tmp_path_factory.mktemp(f"stop-{name}") / "serve.log"
+        out[name] = (*start(tiny_model, redis_url, log), log)
+    try:
+        yield out
+    finally:
+        for proc, _, _ in out.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.usefixtures("services")  # the next tests' engines start alongside this one's
 def test_ctrl_c_while_the_engine_starts(tiny_model: Path, redis_url: str, tmp_path: Path) -> None:
     """Pressed while vLLM's worker loads (where it used to kill the worker and the engine core's
     start with it), the Ctrl-C stops the service once the engine is up, cleanly."""
@@ -130,4 +132,20 @@ def test_ctrl_c_while_the_engine_starts(tiny_model: Path, redis_url: str, tmp_pa
     assert not ready(url)
     assert_clean(stopped(proc, log, group=True, sig=signal.SIGINT))
     assert "Application startup complete" in log.read_text()
+    assert not group_members(proc.pid), "a process of the service outlived it"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_stop_is_clean(services: dict[str, tuple[subprocess.Popen, str, Path]], case: str) -> None:
+    group, sig = CASES[case]
+    proc, url, log = services[case]
+    wait_for(proc, log, lambda: ready(url))
+    # A request first, so the engine has run a step (its worker has state to tear down).
+    r = httpx.post(
+        url + "/v1/completions",
+        json={"model": "tiny-qwen3-moe-moe", "prompt": "stop", "max_tokens": 4},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    assert_clean(stopped(proc, log, group=group, sig=sig))
     assert not group_members(proc.pid), "a process of the service outlived it"

@@ -192,6 +192,15 @@ def test_upstream_errors_are_relayed(front: str) -> None:
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
+def test_tokenize_is_forwarded(front: str, upstream: Upstream) -> None:
+    body = {"messages": [{"role": "user", "content": "count me"}]}
+    mine = httpx.post(f"{front}/tokenize", json=body, timeout=30).json()
+    theirs = httpx.post(f"{upstream.url}/tokenize", json=body, timeout=30).json()
+    assert mine["tokens"] == theirs["tokens"] and mine["count"] == theirs["count"]
+    text = httpx.post(f"{front}/detokenize", json={"tokens": mine["tokens"]}, timeout=30).json()
+    assert "count me" in text["prompt"]
+
+
 def test_upstream_death_is_reported_not_hung(front: str, upstream: Upstream) -> None:
     upstream.kill()
     r = httpx.post(
@@ -204,12 +213,3 @@ def test_upstream_death_is_reported_not_hung(front: str, upstream: Upstream) -> 
     assert err["code"] == "upstream_unreachable" and "Timeout" not in err["message"], err
     ready = httpx.get(f"{front}/ready")
     assert ready.status_code == 503 and "engine" in ready.json()
-
-
-def test_tokenize_is_forwarded(front: str, upstream: Upstream) -> None:
-    body = {"messages": [{"role": "user", "content": "count me"}]}
-    mine = httpx.post(f"{front}/tokenize", json=body, timeout=30).json()
-    theirs = httpx.post(f"{upstream.url}/tokenize", json=body, timeout=30).json()
-    assert mine["tokens"] == theirs["tokens"] and mine["count"] == theirs["count"]
-    text = httpx.post(f"{front}/detokenize", json={"tokens": mine["tokens"]}, timeout=30).json()
-    assert "count me" in text["prompt"]

@@ -3,7 +3,8 @@ load, every one is checked before the engine's weights are touched, and no bad p
 checkpoint changes what serves. Each refused load is followed by a completion that must succeed
 under the weights that served before it.
 
-Runs its own service: it reloads weights (see test_rl_loop's note on in-place reloads)."""
+Runs on the session's RL engine (``rl_service``): it reloads weights (see test_rl_loop's note on
+in-place reloads)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,7 +20,7 @@ import pytest
 
 from routereplay.bench.servers import engine_env
 
-from .conftest import Service, start_service
+from .conftest import RLService, Service
 
 pytestmark = pytest.mark.vllm
 
@@ -39,11 +39,13 @@ def save(dst: Path, tensors: dict, **config_changes: object) -> Path:
 
 
 def bad_checkpoints(root: Path, model: Path) -> list[tuple[str, str, str]]:
-    """(weights_path, expected error code, words the message must hold) for each bad input."""
+    """(weights_path, expected error code, words the message must hold) for each bad input, made
+    in ``root``, a directory directly under the weights root."""
     import torch
     from safetensors.torch import load_file
 
     sd = load_file(model / "model.safetensors")
+    sub = root.name + "/"  # the paths below, relative to the weights root
 
     def copy(name: str) -> Path:
         return Path(shutil.copytree(model, root / name))
@@ -75,41 +77,26 @@ def bad_checkpoints(root: Path, model: Path) -> list[tuple[str, str, str]]:
         ("/etc/passwd", "outside_weights_root", "outside the weights root"),
         ("../../../../etc", "outside_weights_root", "outside the weights root"),
         (str(model), "outside_weights_root", "outside the weights root"),
-        ("link-out", "outside_weights_root", "outside the weights root"),
-        ("etc-link", "outside_weights_root", "outside the weights root"),
+        (sub + "link-out", "outside_weights_root", "outside the weights root"),
+        (sub + "etc-link", "outside_weights_root", "outside the weights root"),
         ("Qwen/Qwen3-30B-A3B", "not_a_checkpoint", "does not exist"),
-        ("missing", "not_a_checkpoint", "does not exist"),
-        ("a-file", "not_a_checkpoint", "is not a directory"),
-        ("empty", "bad_checkpoint", "config.json is missing"),
-        ("no-config", "bad_checkpoint", "config.json is missing"),
-        ("pickle-only", "not_a_checkpoint", "no *.safetensors"),
-        ("file-link-out", "outside_weights_root", "links out of the weights root"),
-        ("garbage", "bad_checkpoint", "model.safetensors"),
-        ("truncated", "truncated_checkpoint", "truncated"),
-        ("wrong-shape", "checkpoint_mismatch", f"tensor '{big}' is F32"),
-        ("wrong-dtype", "checkpoint_mismatch", f"tensor '{big}' is BF16"),
-        ("missing-tensor", "checkpoint_mismatch", f"tensor '{big}' is missing"),
-        ("extra-tensor", "checkpoint_mismatch", "'model.extra.weight' is not in the served"),
-        ("wrong-config", "checkpoint_mismatch", "config num_experts_per_tok is 3"),
-        ("wrong-arch", "checkpoint_mismatch", "config architectures is ['LlamaForCausalLM']"),
+        (sub + "missing", "not_a_checkpoint", "does not exist"),
+        (sub + "a-file", "not_a_checkpoint", "is not a directory"),
+        (sub + "empty", "bad_checkpoint", "config.json is missing"),
+        (sub + "no-config", "bad_checkpoint", "config.json is missing"),
+        (sub + "pickle-only", "not_a_checkpoint", "no *.safetensors"),
+        (sub + "file-link-out", "outside_weights_root", "links out of the weights root"),
+        (sub + "garbage", "bad_checkpoint", "model.safetensors"),
+        (sub + "truncated", "truncated_checkpoint", "truncated"),
+        (sub + "wrong-shape", "checkpoint_mismatch", f"tensor '{big}' is F32"),
+        (sub + "wrong-dtype", "checkpoint_mismatch", f"tensor '{big}' is BF16"),
+        (sub + "missing-tensor", "checkpoint_mismatch", f"tensor '{big}' is missing"),
+        (sub + "extra-tensor", "checkpoint_mismatch", "'model.extra.weight' is not in the served"),
+        (sub + "wrong-config", "checkpoint_mismatch", "config num_experts_per_tok is 3"),
+        (sub + "wrong-arch", "checkpoint_mismatch", "config architectures is ['LlamaForCausalLM']"),
         ("a\x00b", "bad_checkpoint", "not a usable path"),
         ("x" * 5000, "not_a_checkpoint", "does not exist"),
     ]
-
-
-@pytest.fixture(scope="module")
-def weights_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("weights-root")
-
-
-@pytest.fixture(scope="module")
-def own(
-    redis_url: str, tiny_model: Path, weights_root: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Service, subprocess.Popen]]:
-    log_dir = tmp_path_factory.mktemp("weight-loads")
-    flags = ("--route-prefix", "wl", "--weights-root", str(weights_root))
-    with start_service(redis_url, tiny_model, log_dir, *flags) as (svc, proc):
-        yield svc, proc
 
 
 def complete(c: httpx.Client, service: Service) -> str:
@@ -123,13 +110,16 @@ def complete(c: httpx.Client, service: Service) -> str:
 
 
 def test_every_bad_load_is_a_400_and_the_old_weights_keep_serving(
-    own: tuple[Service, subprocess.Popen], weights_root: Path, tiny_model: Path
+    rl_service: RLService, tiny_model: Path
 ) -> None:
-    service, proc = own
-    cases = bad_checkpoints(weights_root, tiny_model)
-    shutil.copytree(tiny_model, weights_root / "step-1")
-    with httpx.Client(base_url=service.url, timeout=120) as c:
-        r = c.post("/reload_weights", json={"weights_path": "step-1", "weight_version": "step-1"})
+    service, proc = rl_service.service, rl_service.proc
+    d = rl_service.weights_root / "weight-loads"
+    d.mkdir()
+    cases = bad_checkpoints(d, tiny_model)
+    shutil.copytree(tiny_model, d / "step-1")
+    with rl_service.client() as c:
+        r = c.post("/reload_weights", json={"weights_path": f"{d.name}/step-1",
+                                            "weight_version": "step-1"})  # fmt: skip
         assert r.json() == {"message": "Weights reloaded", "weight_version": "step-1"}, r.text
         for path, code, words in cases:
             r = c.post("/reload_weights", json={"weights_path": path, "weight_version": "bad"})

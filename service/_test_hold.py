@@ -1,0 +1,71 @@
+"""A test-only hold in vLLM's scheduler: a request parked at a step boundary until released.
+
+Tests that need a request in flight across ``/pause``, a weight reload or a version change would
+otherwise start a generation long enough to outlast them (tens of seconds on a CPU host). With
+``ROUTEREPLAY_TEST_HOLD_DIR`` set in the engine's environment, a request whose id starts with
+``held-`` is left out of the scheduler's batch once it has :data:`HOLD_AFTER` output tokens. It
+stays in the running set with its KV cache, and it runs on from the next step after a file named
+by its id (the ``X-Request-Id``, up to its first ``.``) exists in that directory.
+
+Unset, which is every deployment, nothing is patched. :func:`maybe_install` runs in each vLLM
+process through the capture plugin; only the engine core's scheduler ever holds anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ENV", "HOLD_AFTER", "PREFIX", "maybe_install"]
+
+log = logging.getLogger("routereplay.service")
+
+ENV = "ROUTEREPLAY_TEST_HOLD_DIR"
+PREFIX = "held-"
+HOLD_AFTER = 4  # output tokens streamed before the hold: enough for a test to see it started
+_IDLE_S = 0.005  # a step that schedules nothing but held requests sleeps this long, not spins
+
+
+def _held(request: Any, release_dir: Path) -> bool:
+    rid: str = request.request_id
+    if not rid.startswith(PREFIX) or request.num_output_tokens < HOLD_AFTER:
+        return False
+    return not (release_dir / rid.split(".", 1)[0]).exists()
+
+
+def maybe_install() -> None:
+    """Wrap ``Scheduler.schedule`` to park held requests, when :data:`ENV` is set."""
+    value = os.environ.get(ENV)
+    if not value:
+        return
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if getattr(Scheduler.schedule, "_routereplay_hold", False):
+        return
+    release_dir = Path(value)
+    schedule = Scheduler.schedule
+
+    def held_schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        held = [r for r in self.running if _held(r, release_dir)]
+        if not held:
+            return schedule(self, *args, **kwargs)
+        # Out of the running list for this one step only: never scheduled, never preempted.
+        parked = {id(r) for r in held}
+        self.running[:] = [r for r in self.running if id(r) not in parked]
+        try:
+            out = schedule(self, *args, **kwargs)
+        finally:
+            self.running.extend(held)
+        if out.total_num_scheduled_tokens == 0:
+            time.sleep(_IDLE_S)
+        return out
+
+    held_schedule._routereplay_hold = True  # type: ignore[attr-defined]
+    Scheduler.schedule = held_schedule  # type: ignore[method-assign]
+    log.warning(
+        "%s is set: requests named %s* park after %d tokens until %s/<id> exists (tests only)",
+        ENV, PREFIX, HOLD_AFTER, release_dir,
+    )  # fmt: skip
