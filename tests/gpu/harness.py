@@ -1,39 +1,113 @@
-"""Run replay_check.py from pytest: world size 1 in one process, or N gloo ranks through
-torch.distributed.run; returns each rank's ``RESULT`` record."""
+"""Run replay_check.py from pytest: world size 1 or N gloo ranks; returns each rank's ``RESULT``
+record.
+
+Ranks fork from a forkserver that has imported torch, megatron-core and replay_check once for the
+whole pytest session (a fresh interpreter spends ~5 s of CPU on those imports, per rank), and the
+check's own shims run in each rank as they do in a fresh process. A run with ``env`` (another
+megatron-core first on ``PYTHONPATH``) cannot use those imports: it starts fresh processes
+through ``torch.distributed.run``."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
+import tempfile
+import time
+import warnings
 from pathlib import Path
+from typing import Any
 
 from summarize import results
 
 from routereplay.local_redis import free_port
 
 SCRIPT = Path(__file__).resolve().parent / "replay_check.py"
+# What replay_check imports before its shims run (megatron.core comes with the second).
+PRELOAD = ["replay_check", "megatron.core.tensor_parallel.random"]
+TIMEOUT_S = 300
+_forkserver: list[Any] = []  # the context, made on first use
 
 
 def run_check(
     nproc: int, *args: str, redis_url: str = "", env: dict[str, str] | None = None
 ) -> list[dict]:
     """``env``: extra environment (e.g. ``PYTHONPATH`` putting another megatron-core first)."""
+    argv = ["--device", "cpu", *args, *(["--redis-url", redis_url] if redis_url else [])]
+    out = _fresh_processes(nproc, argv, env) if env else _forked(nproc, argv)
+    res = results(out)  # ranks may share stdout: records may be glued on one line
+    assert len(res) == nproc, out[-2000:]
+    return res
+
+
+def _fresh_processes(nproc: int, argv: list[str], env: dict[str, str]) -> str:
     cmd = [sys.executable]
     if nproc > 1:
         cmd += [
             "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
             "--master-port", str(free_port()),
         ]  # fmt: skip
-    cmd += [str(SCRIPT), "--device", "cpu", *args]
-    if redis_url:
-        cmd += ["--redis-url", redis_url]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **env}
+    p = subprocess.run(
+        [*cmd, str(SCRIPT), *argv], capture_output=True, text=True, timeout=TIMEOUT_S, env=env
+    )
     assert p.returncode == 0, f"rc={p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
-    res = results(p.stdout)  # ranks share stdout: records may be glued on one line
-    assert len(res) == nproc, p.stdout[-2000:]
-    return res
+    return p.stdout
+
+
+def _forked(nproc: int, argv: list[str]) -> str:
+    if not _forkserver:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        _forkserver.append(ctx)
+    ctx = _forkserver[0]
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="rr-ranks-") as d:
+        logs = [Path(d) / f"rank{r}.log" for r in range(nproc)]
+        procs = [
+            ctx.Process(target=_rank, args=(r, nproc, port, argv, str(logs[r])))
+            for r in range(nproc)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + TIMEOUT_S
+        for p in procs:
+            p.join(max(deadline - time.monotonic(), 0))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        text = "".join(log.read_text(errors="replace") for log in logs)
+    codes = [p.exitcode for p in procs]
+    assert codes == [0] * nproc, f"exit codes {codes} (-9: past {TIMEOUT_S} s)\n{text[-6000:]}"
+    return text
+
+
+def _rank(rank: int, nproc: int, port: int, argv: list[str], log: str) -> None:
+    """One rank, in a process forked from the forkserver: what ``torch.distributed.run`` and
+    the fresh process's environment would have given it, then replay_check's ``main``."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    if nproc > 1:
+        os.environ.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        )  # fmt: skip
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    import replay_check
+
+    try:
+        code = replay_check.main(argv)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    sys.exit(code)
 
 
 def assert_policy(results: list[dict], action: str, *, perturbed: bool = False) -> None:
