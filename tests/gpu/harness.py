@@ -4,11 +4,14 @@ record.
 Ranks fork from a forkserver that has imported torch, megatron-core and replay_check once for the
 whole pytest session (a fresh interpreter spends ~5 s of CPU on those imports, per rank), and the
 check's own shims run in each rank as they do in a fresh process. A run with ``env`` (another
-megatron-core first on ``PYTHONPATH``) cannot use those imports: it starts fresh processes
-through ``torch.distributed.run``."""
+megatron-core first on ``PYTHONPATH``) cannot use those imports: it goes to a server process
+started with that environment (``python harness.py --serve``), one per environment for the
+session, whose own forkserver imported that megatron-core."""
 
 from __future__ import annotations
 
+import atexit
+import json
 import multiprocessing
 import os
 import subprocess
@@ -27,7 +30,9 @@ SCRIPT = Path(__file__).resolve().parent / "replay_check.py"
 # What replay_check imports before its shims run (megatron.core comes with the second).
 PRELOAD = ["replay_check", "megatron.core.tensor_parallel.random"]
 TIMEOUT_S = 300
+REPLY = "HARNESS-REPLY "  # a server's answer line (anything else it prints is not one)
 _forkserver: list[Any] = []  # the context, made on first use
+_servers: dict[tuple[tuple[str, str], ...], subprocess.Popen] = {}
 
 
 def run_check(
@@ -35,25 +40,51 @@ def run_check(
 ) -> list[dict]:
     """``env``: extra environment (e.g. ``PYTHONPATH`` putting another megatron-core first)."""
     argv = ["--device", "cpu", *args, *(["--redis-url", redis_url] if redis_url else [])]
-    out = _fresh_processes(nproc, argv, env) if env else _forked(nproc, argv)
+    out = _served(nproc, argv, env) if env else _forked(nproc, argv)
     res = results(out)  # ranks may share stdout: records may be glued on one line
     assert len(res) == nproc, out[-2000:]
     return res
 
 
-def _fresh_processes(nproc: int, argv: list[str], env: dict[str, str]) -> str:
-    cmd = [sys.executable]
-    if nproc > 1:
-        cmd += [
-            "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-port", str(free_port()),
-        ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **env}
-    p = subprocess.run(
-        [*cmd, str(SCRIPT), *argv], capture_output=True, text=True, timeout=TIMEOUT_S, env=env
-    )
-    assert p.returncode == 0, f"rc={p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
-    return p.stdout
+def _served(nproc: int, argv: list[str], env: dict[str, str]) -> str:
+    """:func:`_forked` in the server process for ``env`` (started on first use)."""
+    key = tuple(sorted(env.items()))
+    server = _servers.get(key)
+    if server is None or server.poll() is not None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **env}
+        server = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--serve"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        _servers[key] = server
+    assert server.stdin is not None and server.stdout is not None
+    server.stdin.write(json.dumps({"nproc": nproc, "argv": argv}) + "\n")
+    server.stdin.flush()
+    for line in server.stdout:
+        if line.startswith(REPLY):
+            reply = json.loads(line[len(REPLY) :])
+            assert "error" not in reply, reply["error"]
+            return reply["out"]
+    raise AssertionError(f"the harness server for {dict(key)} exited {server.wait()}")
+
+
+@atexit.register
+def _stop_servers() -> None:
+    for server in _servers.values():
+        if server.poll() is None:
+            server.stdin.close()  # type: ignore[union-attr]
+            server.wait(timeout=30)
+
+
+def _serve() -> None:
+    """The server's loop: one JSON request per stdin line, one :data:`REPLY` line per request."""
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            reply = {"out": _forked(req["nproc"], req["argv"])}
+        except AssertionError as e:
+            reply = {"error": str(e)}
+        print(REPLY + json.dumps(reply), flush=True)
 
 
 def _forked(nproc: int, argv: list[str]) -> str:
@@ -138,3 +169,9 @@ def assert_policy(results: list[dict], action: str, *, perturbed: bool = False) 
             assert free["differs"] == 0 and free["rows"] > 0, free
             assert free["gate_max_abs_diff"] <= 1e-5, free  # replay_check.GATE_TOL
     assert (own_rows > 0) == (action == "own_routing"), own_rows
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--serve"]:
+    import harness  # the ranks' target is pickled by name: "harness._rank", not "__main__._rank"
+
+    harness._serve()

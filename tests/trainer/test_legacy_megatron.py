@@ -1,8 +1,9 @@
 """Replay on megatron-core releases without RouterReplay (0.12.3, 0.13.1, 0.14.0, 0.15.3), CPU.
 
 Each release's wheel is installed (``pip install --no-deps --target``, about 2 MB each) into
-``~/.cache/routereplay/megatron-core/<version>`` and put first on ``PYTHONPATH`` of fresh
-processes, which run:
+``~/.cache/routereplay/megatron-core/<version>`` and put first on ``PYTHONPATH`` of the processes
+that run (the replay checks' ranks fork from a harness server started with that path,
+``tests/gpu/harness.py``):
 
 - tests/trainer/_legacy_topk_check.py: the legacy top-k against the release's own function
   (replaying the router's own choice is bit-exact in gates, map, counts and gradients; other
