@@ -26,7 +26,6 @@ from summarize import results
 
 from routereplay.local_redis import free_port
 
-SCRIPT = Path(__file__).resolve().parent / "replay_check.py"
 # What replay_check imports before its shims run (megatron.core comes with the second).
 PRELOAD = ["replay_check", "megatron.core.tensor_parallel.random"]
 TIMEOUT_S = 300
