@@ -6,9 +6,9 @@ nothing in the engine, and the service serves on. vLLM's own metrics (``vllm:*``
 service's ``/metrics`` beside ``routereplay_*``, with values that match what the service served.
 
 One service for the module, with API keys (``/metrics`` needs one) and prometheus_client's
-multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``); its engine prefills 32 tokens a step, so a
-long prompt stays in prefill for seconds. The pytest session's service shows the engine metrics
-without multiprocess mode.
+multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``); its engine prefills 32 tokens a step and runs
+the scheduler's test hold (``service/_test_hold.py``), which keeps a request in the phase its
+client leaves in. The pytest session's service shows the engine metrics without multiprocess mode.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import httpx
 import pytest
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
+
+from routereplay.service import _test_hold
 
 from .conftest import MODEL_NAME, Service, start_service
 
@@ -62,7 +64,9 @@ def metered(
         "--admin-keys-file", str(d / "admin"),
         "--engine-args", json.dumps({"max_num_batched_tokens": 32}),
     )  # fmt: skip
-    env = {"PROMETHEUS_MULTIPROC_DIR": str(multiproc)}
+    hold = d / "hold"  # never released: the held requests' clients leave
+    hold.mkdir()
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(multiproc), _test_hold.ENV: str(hold)}
     with start_service(redis_url, tiny_model, d, *flags, env=env) as (svc, _):
         yield Metered(svc.url, multiproc)
 
@@ -122,8 +126,8 @@ def request_body(endpoint: str, phase: str, stream: bool, salt: int) -> tuple[st
         return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": content}]}
     if phase != "prefill":
         return "/v1/completions", {**body, "prompt": f"never mind, take {salt}"}
-    # prefill: about 60 engine steps of 32 tokens before the first output.
-    return "/v1/completions", {**body, "max_tokens": 100, "prompt": token_prompt(salt, 1900)}
+    # prefill: a prompt of several 32-token chunks (the hold parks it after the first).
+    return "/v1/completions", {**body, "max_tokens": 100, "prompt": token_prompt(salt, 256)}
 
 
 def reached(phase: str, c: httpx.Client, before: Samples) -> Callable[[], bool]:
@@ -194,12 +198,14 @@ def paused(admin: httpx.Client, pause: bool) -> Iterator[None]:
 
 CASES = [
     # (phase, endpoint, stream, X-Request-Id): each kind of disconnect, both APIs, ids or not.
-    ("decode", "completions", True, "gone-decode-stream"),
+    # ``held-*`` requests park in the engine (decode: after a few tokens; ``held-prefill-*``: after
+    # their first chunk of prompt), so the client leaves in that phase however loaded the host.
+    ("decode", "completions", True, _test_hold.PREFIX + "decode-stream"),
     ("decode", "chat", False, None),
-    ("prefill", "completions", True, None),
-    ("prefill", "completions", False, "gone-prefill"),
-    ("queued", "chat", True, "gone-queued-stream"),
-    ("queued", "completions", False, None),
+    ("prefill", "completions", True, _test_hold.PREFILL_PREFIX + "stream"),
+    ("prefill", "completions", False, _test_hold.PREFILL_PREFIX + "whole"),
+    ("queued", "chat", True, None),
+    ("queued", "completions", False, "gone-queued"),
 ]
 
 
