@@ -44,6 +44,7 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 class Metered:
     url: str
     multiproc_dir: Path
+    hold_dir: Path  # the engine's test hold: a file named by a held request's id releases it
 
     def client(self, key: str = KEY) -> httpx.Client:
         auth = {"Authorization": f"Bearer {key.split(':')[1]}"}
@@ -68,7 +69,7 @@ def metered(
     hold.mkdir()
     env = {"PROMETHEUS_MULTIPROC_DIR": str(multiproc), _test_hold.ENV: str(hold)}
     with start_service(redis_url, tiny_model, d, *flags, env=env) as (svc, _):
-        yield Metered(svc.url, multiproc)
+        yield Metered(svc.url, multiproc, hold)
 
 
 def wait_for(condition: Callable[[], object], what: str) -> None:
@@ -166,17 +167,18 @@ def settled(c: httpx.Client, endpoint: str, before: Samples) -> Callable[[], boo
     return now
 
 
-def serves_alone(c: httpx.Client) -> None:
+def serves_alone(metered: Metered, c: httpx.Client, request_id: str) -> None:
     """A request runs to its end, and while it runs it is the only one in the engine."""
     body = {"model": MODEL_NAME, "prompt": "still there?", "max_tokens": 48, "ignore_eos": True}
-    with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+    headers = {"X-Request-Id": request_id}  # held: it parks after a few tokens until released
+    with c.stream("POST", "/v1/completions", json={**body, "stream": True}, headers=headers) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
-        for _ in range(8):  # some tokens: the engine is stepping with this request in it
-            next(lines)
-        m = scrape(c)
-        assert value(m, "vllm:num_requests_running") == 1
-        assert value(m, "vllm:num_requests_waiting") == 0
+        while not next(lines).startswith("data: "):  # a token: the engine has it (then parks it)
+            pass
+        wait_for(lambda: value(scrape(c), "vllm:num_requests_running") == 1, "it running")
+        assert value(scrape(c), "vllm:num_requests_waiting") == 0
+        (metered.hold_dir / request_id).touch()
         rest = [ln for ln in lines if ln]
     assert rest[-1] == "data: [DONE]"
     finish = json.loads(rest[-2][len("data: ") :])["choices"][0]
@@ -201,7 +203,7 @@ CASES = [
     # ``held-*`` requests park in the engine (decode: after a few tokens; ``held-prefill-*``: after
     # their first chunk of prompt), so the client leaves in that phase however loaded the host.
     ("decode", "completions", True, _test_hold.PREFIX + "decode-stream"),
-    ("decode", "chat", False, None),
+    ("decode", "chat", False, _test_hold.PREFIX + "decode-chat"),
     ("prefill", "completions", True, _test_hold.PREFILL_PREFIX + "stream"),
     ("prefill", "completions", False, _test_hold.PREFILL_PREFIX + "whole"),
     ("queued", "chat", True, None),
@@ -222,7 +224,7 @@ def test_client_disconnect(
                 wait_for(reached(phase, c, before), f"the request in {phase}")
                 if phase == "decode" and stream:
                     got = b""
-                    while got.count(b"data: ") < 2:  # the stream is under way
+                    while b"data: " not in got:  # the stream is under way
                         got += s.recv(65536)
             # The socket closed: the client went away.
             wait_for(settled(c, endpoint, before), "the request counted as gone, none in flight")
@@ -238,7 +240,7 @@ def test_client_disconnect(
             assert value(after, p) == value(before, p)
         if request_id is not None:
             assert c.get(f"/v1/routes/{request_id}-0").status_code == 404
-        serves_alone(c)
+        serves_alone(metered, c, f"{_test_hold.PREFIX}alone-{salt}")
 
 
 # -- vLLM's metrics --------------------------------------------------------------------------------
