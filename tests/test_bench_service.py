@@ -172,18 +172,20 @@ def test_py_spy_samples_every_process_of_the_server_group(tmp_path) -> None:
     script = tmp_path / "server.py"
     script.write_text(
         "import subprocess, sys, time\n"
-        "def spin_in_child():\n"
+        "def spin_in_child(marker):\n"
+        "    open(marker, 'w').close()\n"
         "    while True:\n"
         "        sum(range(1000))\n"
-        "if sys.argv[1:] == ['child']:\n"
-        "    spin_in_child()\n"
-        "subprocess.Popen([sys.executable, __file__, 'child'])\n"
+        "if sys.argv[1] == 'child':\n"
+        "    spin_in_child(sys.argv[2])\n"
+        "subprocess.Popen([sys.executable, __file__, 'child', sys.argv[1]])\n"
         "time.sleep(60)\n"
     )
-    server = subprocess.Popen([sys.executable, str(script)], start_new_session=True)
+    spinning = tmp_path / "spinning"  # the child writes it once inside its spin function
+    server = subprocess.Popen([sys.executable, str(script), str(spinning)], start_new_session=True)
     try:
-        deadline = time.monotonic() + 20
-        while len(group_pids(server.pid)) < 2 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 120
+        while not spinning.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         pids = group_pids(server.pid)
         assert server.pid in pids and len(pids) == 2

@@ -18,6 +18,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from routereplay.client import RouteRecord, expert_counts
+from routereplay.service import routing_stats
 from routereplay.service.routing_stats import RoutingStats, load_figures
 
 from .conftest import MODEL, running_app, until
@@ -204,7 +205,12 @@ async def test_aclose_drains_while_the_loop_runs() -> None:
     assert v[("routereplay_routed_tokens_window", ("weight_version", "unknown"))] == 4
 
 
-async def test_shutdown_drains_the_routing_stats_off_the_loop(redis_url: str) -> None:
+async def test_shutdown_drains_the_routing_stats_off_the_loop(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A close that blocked the loop would wait out its whole timeout (the worker finishes only
+    # once the loop runs): far beyond any stall a loaded host makes, so the two cannot be confused.
+    monkeypatch.setattr(routing_stats, "_CLOSE_TIMEOUT_S", 120.0)
     ticks: list[float] = []
     shutting_down = asyncio.Event()
     async with running_app(redis_url) as svc:
@@ -234,7 +240,7 @@ async def test_shutdown_drains_the_routing_stats_off_the_loop(redis_url: str) ->
     if stats._lock.locked():
         stats._lock.release()
     stalls = np.diff([start, *ticks])
-    assert stalls.max() < 2.5, f"the event loop stood still {stalls.max():.1f} s in the shutdown"
+    assert stalls.max() < 60, f"the event loop stood still {stalls.max():.1f} s in the shutdown"
     v = _values(stats)
     assert v[("routereplay_routed_tokens_window", ("weight_version", "unknown"))] == T
 

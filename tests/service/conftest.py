@@ -92,7 +92,9 @@ def service_spec(
     argv = [
         sys.executable, "-m", "routereplay.cli", "serve", "--port", str(port),
         "--redis-url", redis_url, "--model-dir", str(tiny_model.parent),
-        "--max-model-len", "2048", "--log-level", "warning", *flags,
+        "--max-model-len", "2048", "--log-level", "warning",
+        # A loaded host can stall a readiness check past the 1 s default: the tests want 200.
+        "--ready-timeout-s", "10", *flags,
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     server = Server(argv, f"{url}/ready", log, engine_env(**(env or {})))

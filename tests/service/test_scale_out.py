@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -23,13 +25,14 @@ import pytest
 
 from routereplay.client import RouteNotFoundError, RoutesClient, RouteStore, decode_record
 from routereplay.local_redis import redis_cluster
+from routereplay.service import _test_hold
 from routereplay.trainer_adapter import gather_targets, sample_from_record, thd_position_map
 
 from .conftest import MODEL_NAME, Service, service_spec, start_services
 
 pytestmark = pytest.mark.vllm
 
-LEASE_S = 3.0
+LEASE_S = 10.0  # renewed every third of it: only a replica stalled for seconds lets one lapse
 
 
 @pytest.fixture(scope="module")
@@ -38,18 +41,28 @@ def cluster_url() -> Iterator[str]:
         yield url.replace("redis://", "redis+cluster://")
 
 
+@dataclass
+class Replicas:
+    a: Service
+    b: Service
+    proc_b: subprocess.Popen  # the last test kills B
+    hold_dir: Path  # a file here named by a held request's id releases it
+
+
 @pytest.fixture(scope="module")
 def replicas(
     cluster_url: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Service, Service, object]]:
-    """Replicas A and B (B's process is yielded too: the last test kills it)."""
+) -> Iterator[Replicas]:
+    """Replicas A and B, with the scheduler's test hold (``service/_test_hold.py``)."""
     flags = ("--route-prefix", "so", "--request-id-lease-s", str(LEASE_S))
+    hold = tmp_path_factory.mktemp("hold")
+    env = {_test_hold.ENV: str(hold)}
     specs = [
-        service_spec(cluster_url, tiny_model, tmp_path_factory.mktemp(name), *flags)
+        service_spec(cluster_url, tiny_model, tmp_path_factory.mktemp(name), *flags, env=env)
         for name in ("replica-a", "replica-b")
     ]
     with start_services(specs) as [(a, _), (b, proc_b)]:
-        yield a, b, proc_b
+        yield Replicas(a, b, proc_b, hold)
 
 
 def complete(svc: Service, prompt: str, rid: str | None = None, **kw: object) -> dict:
@@ -71,9 +84,9 @@ def store(cluster_url: str) -> RouteStore:
 
 
 def test_routes_written_through_either_replica_are_read_through_both(
-    replicas: tuple[Service, Service, object], cluster_url: str
+    replicas: Replicas, cluster_url: str
 ) -> None:
-    a, b, _ = replicas
+    a, b = replicas.a, replicas.b
     via_a = complete(a, "written through replica A", n=2, temperature=0.8, seed=3)
     via_b = complete(b, "written through replica B")
     st = store(cluster_url)
@@ -109,12 +122,10 @@ def test_routes_written_through_either_replica_are_read_through_both(
     assert np.array_equal(ra.experts[ra.valid], rb.experts[rb.valid])
 
 
-def test_a_trainer_batch_spans_both_replicas(
-    replicas: tuple[Service, Service, object], cluster_url: str
-) -> None:
+def test_a_trainer_batch_spans_both_replicas(replicas: Replicas, cluster_url: str) -> None:
     """One packed (THD) micro-batch of samples generated on A and on B: one batched read from
     the cluster, and the replay targets are each sample's own rows."""
-    a, b, _ = replicas
+    a, b = replicas.a, replicas.b
     resps = [complete(svc, f"batch sample {i}") for i, svc in enumerate((a, b, a, b))]
     ids = [r["choices"][0]["routed_experts"]["route_id"] for r in resps]
     st = store(cluster_url)
@@ -144,46 +155,48 @@ def test_a_trainer_batch_spans_both_replicas(
 
 
 def test_an_id_in_flight_on_one_replica_is_refused_on_the_other(
-    replicas: tuple[Service, Service, object], cluster_url: str
+    replicas: Replicas, cluster_url: str
 ) -> None:
-    a, b, _ = replicas
+    a, b = replicas.a, replicas.b
+    rid = _test_hold.PREFIX + "shared-rid"  # A's engine parks it until the test releases it
     done: dict[str, dict] = {}
 
-    def long_request() -> None:
-        done["r"] = complete(a, "long " * 8, rid="shared-rid", max_tokens=200, ignore_eos=True)
+    def held_request() -> None:
+        done["r"] = complete(a, "long " * 8, rid=rid, ignore_eos=True)
 
     st = store(cluster_url)
-    t = threading.Thread(target=long_request)
+    t = threading.Thread(target=held_request)
     t.start()
     try:
         # A holds the id once its claim (a lease in the cluster) exists.
         deadline = time.monotonic() + 60
-        while not st.redis.exists(st.keys.claim("shared-rid")):
+        while not st.redis.exists(st.keys.claim(rid)):
             assert time.monotonic() < deadline and t.is_alive(), "A never claimed the id"
             time.sleep(0.01)
-        # A claim lives from A's start to its answer, so B's 409 proves A was still running.
-        r = httpx.post(b.url + "/v1/completions", headers={"X-Request-Id": "shared-rid"},
+        r = httpx.post(b.url + "/v1/completions", headers={"X-Request-Id": rid},
                        json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 1},
                        timeout=60)  # fmt: skip
         assert r.status_code == 409, r.text
         assert r.json()["error"]["code"] == "request_id_in_flight"
+        assert t.is_alive()  # still held on A
     finally:
+        (replicas.hold_dir / rid).touch()
         t.join()
         st.close()
     h = done["r"]["choices"][0]["routed_experts"]
-    assert h["status"] == "stored" and h["route_id"] == "shared-rid-0"
+    assert h["status"] == "stored" and h["route_id"] == f"{rid}-0"
     # Finished on A: B accepts the id now (an idempotent retry overwrites the route).
-    again = complete(b, "retried on B", rid="shared-rid")
+    again = complete(b, "retried on B", rid=rid)
     assert again["choices"][0]["routed_experts"]["status"] == "stored"
 
 
 def test_a_replica_killed_mid_load_loses_nothing_the_other_served(
-    replicas: tuple[Service, Service, object], cluster_url: str
+    replicas: Replicas, cluster_url: str
 ) -> None:
     """24 requests split over A and B; B is SIGKILLed (engine and all) while they run. Every
     request either replica answered has its whole route stored; the ones B never answered have
     no route or a whole one (never a partial record); their ids are free again after a lease."""
-    a, b, proc_b = replicas
+    a, b, proc_b = replicas.a, replicas.b, replicas.proc_b
     n = 24
     results: dict[int, dict | Exception] = {}
     # B's last three requests are 40 times longer than the rest: at any pace of the machine,
