@@ -9,6 +9,10 @@ import pytest
 
 from routereplay.local_redis import redis_cluster, redis_server
 
+# The real-engine fixtures (tests/engines.py) are visible to every test: the session's engines
+# start before the first test, whichever tier it is in.
+pytest_plugins = ["engines"]
+
 # Marks whose tests boot a real engine or Megatron: minutes each on a 2-core host, so they are
 # slow as well, and `pytest -m "not slow"` is the edit-test loop.
 _SLOW_MARKS = ("vllm", "megatron")

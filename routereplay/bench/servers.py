@@ -20,7 +20,10 @@ import httpx
 from routereplay.service.vllm_engine import engine_env as host_engine_env
 from routereplay.service.vllm_engine import on_cpu_host
 
-__all__ = ["Server", "engine_env", "server_process", "server_processes", "stop_process"]
+__all__ = [
+    "Server", "engine_env", "launched", "server_process", "server_processes", "stop_process",
+    "wait_ready",
+]  # fmt: skip
 
 
 def engine_env(cpu: bool | None = None, **extra: str) -> dict[str, str]:
@@ -59,6 +62,17 @@ def server_processes(
 ) -> Iterator[list[subprocess.Popen]]:
     """Start every server at once (their start-ups overlap); yield once each is ready; stop
     them all on exit."""
+    with launched(servers) as procs:
+        deadline = time.monotonic() + timeout_s
+        for s, proc in zip(servers, procs, strict=True):
+            _wait_ready(s, proc, deadline, timeout_s)
+        yield procs
+
+
+@contextlib.contextmanager
+def launched(servers: list[Server]) -> Iterator[list[subprocess.Popen]]:
+    """Start every server and yield at once, before any is ready (:func:`wait_ready` waits);
+    stop them all on exit."""
     procs: list[subprocess.Popen] = []
     try:
         for s in servers:
@@ -68,13 +82,16 @@ def server_processes(
                     start_new_session=True,
                 )  # fmt: skip
             procs.append(proc)
-        deadline = time.monotonic() + timeout_s
-        for s, proc in zip(servers, procs, strict=True):
-            _wait_ready(s, proc, deadline, timeout_s)
         yield procs
     finally:
         for proc in reversed(procs):
             stop_process(proc)
+
+
+def wait_ready(server: Server, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    """Return once ``server`` (started as ``proc``) answers 200 on its ready URL; raise with its
+    log's tail if it exits or is not ready within ``timeout_s``."""
+    _wait_ready(server, proc, time.monotonic() + timeout_s, timeout_s)
 
 
 def _wait_ready(s: Server, proc: subprocess.Popen, deadline: float, timeout_s: float) -> None:

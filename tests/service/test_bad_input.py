@@ -6,7 +6,7 @@ import httpx
 import pytest
 import redis
 
-from .conftest import Service
+from engines import Service
 
 pytestmark = pytest.mark.vllm
 

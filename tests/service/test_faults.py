@@ -23,7 +23,7 @@ import pytest
 from routereplay.service import _test_hold
 from routereplay.service.cli import ENGINE_DEAD_EXIT
 
-from .conftest import MODEL_NAME, engine_core_pids, start_service
+from engines import MODEL_NAME, engine_core_pids, start_service
 
 pytestmark = pytest.mark.vllm
 

@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from routereplay.service import _test_hold
 
-from .conftest import MODEL_NAME, Service, start_service
+from engines import MODEL_NAME, Service, start_service
 
 pytestmark = pytest.mark.vllm
 

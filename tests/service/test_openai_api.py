@@ -15,7 +15,7 @@ import pytest
 
 from routereplay.client import MEDIA_TYPE, decode_record
 
-from .conftest import Service
+from engines import Service
 
 pytestmark = pytest.mark.vllm
 

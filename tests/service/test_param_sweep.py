@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import Service
+from engines import Service
 
 pytestmark = pytest.mark.vllm
 

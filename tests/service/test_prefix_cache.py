@@ -8,7 +8,7 @@ import pytest
 
 from routereplay.client import decode_record
 
-from .conftest import Service
+from engines import Service
 
 pytestmark = pytest.mark.vllm
 

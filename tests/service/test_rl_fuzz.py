@@ -16,7 +16,7 @@ from schemathesis.checks import not_a_server_error
 
 from routereplay.service import Settings, create_app
 
-from .conftest import RL_AUTH, RLService, Service
+from engines import RL_AUTH, RLService, Service
 
 pytestmark = pytest.mark.vllm
 

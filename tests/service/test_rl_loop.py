@@ -22,7 +22,7 @@ import pytest
 
 from routereplay.client import decode_record
 
-from .conftest import RL_AUTH, RLService, Service, engine_core_pids
+from engines import RL_AUTH, RLService, Service, engine_core_pids
 
 pytestmark = pytest.mark.vllm
 

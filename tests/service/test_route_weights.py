@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
-from .conftest import Service, start_service
+from engines import Service, start_service
 
 pytestmark = pytest.mark.vllm
 

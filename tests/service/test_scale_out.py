@@ -28,7 +28,7 @@ from routereplay.local_redis import redis_cluster
 from routereplay.service import _test_hold
 from routereplay.trainer_adapter import gather_targets, sample_from_record, thd_position_map
 
-from .conftest import MODEL_NAME, Service, service_spec, start_services
+from engines import MODEL_NAME, Service, service_spec, start_services
 
 pytestmark = pytest.mark.vllm
 

@@ -14,7 +14,7 @@ import pytest
 from routereplay.bench.servers import engine_env
 from routereplay.client import RouteStore
 
-from .conftest import Service
+from engines import Service
 
 pytestmark = pytest.mark.vllm
 

@@ -20,7 +20,7 @@ import pytest
 
 from routereplay.bench.servers import engine_env
 
-from .conftest import RLService, Service
+from engines import RLService, Service
 
 pytestmark = pytest.mark.vllm
 

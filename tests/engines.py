@@ -1,5 +1,5 @@
-"""Service test fixtures: one routereplay service (one vLLM engine) per engine configuration for
-the whole session.
+"""Real-engine test fixtures (a pytest plugin of tests/conftest.py): one routereplay service (one
+vLLM engine) per engine configuration for the whole session, and the helpers that start more.
 
 - ``service``: the embedded default, whose weights never change (other modules compare its
   routes with an offline engine).
@@ -7,7 +7,9 @@ the whole session.
   root and the scheduler's test hold (``service/_test_hold.py``); its weights change.
 
 Each runs as a real ``routereplay serve`` subprocess on a free loopback port, storing into the
-pytest session's private redis-server (``redis_url`` from tests/conftest.py).
+pytest session's private redis-server (``redis_url`` from tests/conftest.py). Both start with the
+session when a collected test needs them (:func:`start_engines_early`), so their start-ups run
+beside the engine-free tests; a test that uses one waits until it is ready.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from routereplay.bench.servers import Server, engine_env, server_processes
+from routereplay.bench.servers import Server, engine_env, launched, server_processes, wait_ready
 from routereplay.client import RouteStore
 from routereplay.local_redis import free_port
 from routereplay.service import _test_hold
@@ -119,12 +121,58 @@ def start_services(
         yield [(svc, proc) for (_, svc), proc in zip(specs, procs, strict=True)]
 
 
+@dataclass
+class Launched:
+    """A service whose process is started; :meth:`ready` waits (once) until it serves."""
+
+    server: Server
+    service: Service
+    proc: subprocess.Popen
+    is_ready: bool = False
+
+    def ready(self) -> Service:
+        if not self.is_ready:
+            wait_ready(self.server, self.proc)
+            self.is_ready = True
+        return self.service
+
+
+@contextlib.contextmanager
+def launch(spec: tuple[Server, Service]) -> Iterator[Launched]:
+    """:func:`service_spec`, started and yielded at once; stopped on exit."""
+    server, svc = spec
+    with launched([server]) as [proc]:
+        yield Launched(server, svc, proc)
+
+
+# The session's engines, by the fixture that starts each: started with the session when wanted.
+EARLY = ("service_engine", "rl_service_engine")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def start_engines_early(request: pytest.FixtureRequest) -> None:
+    """Start the session's engines that a collected test needs, before the first test: a start
+    takes ~30 s, mostly on one core, which the engine-free tests that run first leave idle."""
+    wanted = set().union(*(item.fixturenames for item in request.session.items))
+    for name in EARLY:
+        if name in wanted:
+            # A start that fails here fails again, the same way, in each test that uses it
+            # (pytest keeps a session fixture's error): the first test, whatever it is, runs.
+            with contextlib.suppress(Exception, pytest.skip.Exception, pytest.fail.Exception):
+                request.getfixturevalue(name)
+
+
 @pytest.fixture(scope="session")
-def service(
+def service_engine(
     redis_url: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Service]:
-    with start_service(redis_url, tiny_model, tmp_path_factory.mktemp("service")) as (svc, _):
-        yield svc
+) -> Iterator[Launched]:
+    with launch(service_spec(redis_url, tiny_model, tmp_path_factory.mktemp("service"))) as e:
+        yield e
+
+
+@pytest.fixture(scope="session")
+def service(service_engine: Launched) -> Service:
+    return service_engine.ready()
 
 
 @pytest.fixture()
@@ -152,14 +200,20 @@ class RLService:
 
 
 @pytest.fixture(scope="session")
-def rl_service(
+def rl_service_engine(
     redis_url: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RLService]:
+) -> Iterator[Launched]:
+    """The RL engine's process; its weights root and hold directory are beside its log."""
     d = tmp_path_factory.mktemp("rl-service")
-    root, hold = d / "weights", d / "hold"
-    root.mkdir()
-    hold.mkdir()
-    flags = ("--route-prefix", "rl", "--admin-keys", RL_ADMIN, "--weights-root", str(root))
-    env = {_test_hold.ENV: str(hold)}
-    with start_service(redis_url, tiny_model, d, *flags, env=env) as (svc, proc):
-        yield RLService(svc, proc, root, hold)
+    (d / "weights").mkdir()
+    (d / "hold").mkdir()
+    flags = ("--route-prefix", "rl", "--admin-keys", RL_ADMIN, "--weights-root", str(d / "weights"))
+    env = {_test_hold.ENV: str(d / "hold")}
+    with launch(service_spec(redis_url, tiny_model, d, *flags, env=env)) as e:
+        yield e
+
+
+@pytest.fixture(scope="session")
+def rl_service(rl_service_engine: Launched) -> RLService:
+    svc, d = rl_service_engine.ready(), rl_service_engine.server.log.parent
+    return RLService(svc, rl_service_engine.proc, d / "weights", d / "hold")
