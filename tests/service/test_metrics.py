@@ -222,6 +222,9 @@ def test_client_disconnect(
             before = scrape(c)
             with send(metered.url, path, body, request_id) as s:
                 wait_for(reached(phase, c, before), f"the request in {phase}")
+                if phase == "prefill":  # parked by the hold: a second on, it is in prefill still
+                    time.sleep(1.0)
+                    assert reached(phase, c, before)(), "the held request left its prefill"
                 if phase == "decode" and stream:
                     got = b""
                     while b"data: " not in got:  # the stream is under way
