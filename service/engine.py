@@ -147,9 +147,8 @@ def wants_route_weights(request: ChatCompletionRequest | CompletionRequest, mode
 class RLControl(abc.ABC):
     """vLLM's RL control API (``vllm/entrypoints/rl/online/api_router.py``) as engine calls.
 
-    Every call that changes the served weights also clears the engine's prefix cache, so a cached
-    prefix's routes always come from the weights that now serve (a record's weight versions are
-    true for every row).
+    No request may reuse a cached prefix (or its routes) computed by other weights than those
+    that serve it, so a record's weight versions are true for every row.
     """
 
     @abc.abstractmethod
@@ -198,6 +197,11 @@ class RLControl(abc.ABC):
 
     @abc.abstractmethod
     async def world_size(self, include_dp: bool) -> int: ...
+
+    def weight_update_status(self) -> dict[str, Any] | None:
+        """The RL call running now and the last weight change with its outcome (for a caller
+        whose call timed out); None when this engine does not track them."""
+        return None
 
 
 class EngineBackend(abc.ABC):

@@ -104,12 +104,15 @@ class VllmEngineMetrics:
 
     PREFIX = "vllm:"
 
-    def __init__(self) -> None:
+    def __init__(self, own: Callable[[], Iterable[Metric]] | None = None) -> None:
+        """``own``: the backend's metrics of the engine (weights generation, cache resets),
+        served beside vLLM's."""
         if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
             self._source = CollectorRegistry()
             MultiProcessCollector(self._source)
         else:
             self._source = REGISTRY
+        self._own = own
 
     def describe(self) -> Iterable[Metric]:
         # Read at each scrape: vLLM registers its metrics when the engine starts, and
@@ -117,4 +120,6 @@ class VllmEngineMetrics:
         return ()
 
     def collect(self) -> Iterable[Metric]:
-        return (m for m in self._source.collect() if m.name.startswith(self.PREFIX))
+        yield from (m for m in self._source.collect() if m.name.startswith(self.PREFIX))
+        if self._own is not None:
+            yield from self._own()

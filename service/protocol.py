@@ -138,6 +138,9 @@ class SamplingFields(_Request):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     user: str | None = None
+    # vLLM extension: requests with different salts share no cached prefix (tenant isolation).
+    # The engine's own salt for the weights generation is combined with it (docs/service.md).
+    cache_salt: str | None = Field(None, min_length=1, max_length=128)
     # OpenAI features the in-process engine does not implement: typed loosely here so the
     # backend can refuse them by name (the upstream backend forwards them).
     response_format: dict[str, Any] | None = None
@@ -159,6 +162,14 @@ class SamplingFields(_Request):
     def _stop_strings(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list) and any(s == "" for s in v):
             raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _cache_salt_chars(cls, v: str | None) -> str | None:
+        # vLLM's rule: KV connectors use the salt in keys and paths.
+        if v is not None and any(c in v for c in "@/\\\x00"):
+            raise ValueError("cache_salt must not contain '@', '/', '\\' or NUL")
         return v
 
     @field_validator("bad_words")

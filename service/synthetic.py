@@ -176,7 +176,7 @@ class SyntheticBackend(EngineBackend):
         self._dead = False
         self._started = False
         self._running = 0
-        self._cached_blocks: set[int] = set()
+        self._cached_blocks: set[tuple[str | None, int]] = set()
         # "Weights": a salt mixed into every route, and the label vLLM calls a weight version.
         self.salt = 0
         self.version = "default"
@@ -280,15 +280,17 @@ class SyntheticBackend(EngineBackend):
 
         return self._generate(req, ids, "prompt")
 
-    def _cached_tokens(self, hashes: list[int]) -> int:
-        """Whole leading blocks seen before (then remember this prompt's blocks)."""
+    def _cached_tokens(self, hashes: list[int], salt: str | None) -> int:
+        """Whole leading blocks seen before under the same ``cache_salt`` (then remember this
+        prompt's blocks)."""
         b = self.block_size
+        keys = [(salt, hashes[end - 1]) for end in range(b, len(hashes) + 1, b)]
         cached = 0
-        for end in range(b, len(hashes) + 1, b):
-            if hashes[end - 1] not in self._cached_blocks:
+        for i, key in enumerate(keys):
+            if key not in self._cached_blocks:
                 break
-            cached = end
-        self._cached_blocks.update(hashes[end - 1] for end in range(b, len(hashes) + 1, b))
+            cached = (i + 1) * b
+        self._cached_blocks.update(keys)
         return cached
 
     async def _generate(
@@ -312,7 +314,7 @@ class SyntheticBackend(EngineBackend):
         # Paused: not scheduled until resumed (vLLM's semantics for new requests).
         await self._resumed.wait()
         hashes = _prefix_hashes(prompt)
-        cached = self._cached_tokens(hashes)
+        cached = self._cached_tokens(hashes, r.cache_salt)
 
         self._running += 1
         try:

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from .admission import label_cache_salt
 from .engine import (
     ChoiceDelta,
     ChoiceFinished,
@@ -219,6 +220,9 @@ class UpstreamBackend(EngineBackend):
         # call brackets them. Equal: every row had it. Different: the weights changed during the
         # request and the record says unknown rather than guess.
         before = await self._weight_version()
+        if before is not None:
+            # The upstream's prefix cache, partitioned by the weights' label (all it reports).
+            body["cache_salt"] = label_cache_salt(before, req.request.cache_salt)
         data = await self._post(path, body, headers={"X-Request-Id": req.engine_request_id})
         after = await self._weight_version() if before is not None else None
         version = before if before is not None and before == after else None

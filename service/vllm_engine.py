@@ -7,13 +7,16 @@ loop. vLLM is imported on :meth:`VllmBackend.start`, never at import time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from .admission import Admission, Ticket, cache_salt
 from .checkpoints import (
     Checkpoint,
     CheckpointError,
@@ -35,7 +38,7 @@ from .engine import (
     check_engine_fields,
     wants_route_weights,
 )
-from .errors import EngineUnavailableError, InvalidRequestError, StartupRefused
+from .errors import EngineUnavailableError, InvalidRequestError, ServiceError, StartupRefused
 from .metrics import VllmEngineMetrics
 from .model_info import ModelInfo, moe_layout
 from .protocol import (
@@ -46,6 +49,9 @@ from .protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
 
 __all__ = ["VllmBackend", "engine_env", "on_cpu_host"]
 
@@ -171,6 +177,40 @@ def _client_error(e: Exception, request: Any) -> InvalidRequestError:
     return InvalidRequestError(msg, param=param)
 
 
+def _engine_error(e: BaseException, request: Any, *, started: bool) -> ServiceError | None:
+    """An exception out of vLLM's ``generate`` as the service's error (None: not vLLM's).
+
+    Client mistakes the engine finds on submit are 400s naming the field; a request the engine
+    failed or asked to be retried, 503 (never 500: the engine stays healthy); a dead engine, 503
+    ``engine_dead``."""
+    from vllm.exceptions import GenerationError, RetryableRequestError, VLLMClientError
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+    if isinstance(e, VLLMClientError) or (not started and isinstance(e, ValueError)):
+        return _client_error(e, request)
+    if isinstance(e, EngineDeadError):
+        if not started:
+            return EngineUnavailableError("the vLLM engine is dead", code="engine_dead")
+        return EngineUnavailableError(
+            "the vLLM engine died while serving this request; routes were not stored",
+            code="engine_dead",
+        )
+    if isinstance(e, RetryableRequestError):
+        return EngineUnavailableError(
+            f"the engine asked for this request to be retried: {e}",
+            code="engine_busy",
+            headers={"Retry-After": "1"},
+        )
+    if isinstance(e, GenerationError | EngineGenerateError):
+        return EngineUnavailableError(f"engine error: {e}", code="engine_error")
+    status = getattr(e, "http_status", None)  # vLLM's GracefulHTTPError: admission control
+    if status is not None:
+        err = EngineUnavailableError(f"the engine refused this request: {e}", code="engine_busy")
+        err.status_code = int(status)
+        return err
+    return None
+
+
 class VllmBackend(EngineBackend):
     """``AsyncLLM`` in this process (engine core in a child process)."""
 
@@ -205,8 +245,10 @@ class VllmBackend(EngineBackend):
         self._extra = dict(extra_engine_args or {})
         self.engine: Any = None
         self._tokenizer: Any = None
-        # engine request id -> client request id, for RL aborts by client id.
-        self._inflight: dict[str, str] = {}
+        # The engine requests in flight (for RL aborts by client id) and the weights generation
+        # each runs under (its prefix-cache partition); the hold on new requests while paused.
+        self.admission = Admission()
+        self.prefix_cache_resets = {"cleared": 0, "refused": 0}
         self._fatal: str | None = None
         self._rl = _VllmRL(self)
 
@@ -343,6 +385,7 @@ class VllmBackend(EngineBackend):
         """Declare the engine unusable for good (the app's watcher then stops the service)."""
         log.critical("the engine is unusable: %s", reason)
         self._fatal = reason
+        self.admission.release_hold()  # requests held for a resume get their 503 instead
 
     async def check_ready(self) -> None:
         if self.engine is None:
@@ -357,7 +400,37 @@ class VllmBackend(EngineBackend):
 
     def engine_metrics(self) -> VllmEngineMetrics:
         # vLLM's stat logger records them in this process (AsyncLLM runs here).
-        return VllmEngineMetrics()
+        return VllmEngineMetrics(self._weights_metrics)
+
+    def _weights_metrics(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        a = self.admission
+        yield GaugeMetricFamily(
+            "routereplay_weights_generation",
+            "weight changes of the engine since start (the prefix-cache partition now served)",
+            value=a.generation,
+        )
+        yield CounterMetricFamily(
+            "routereplay_requests_resubmitted",
+            "requests taken back by a weight change before their first output and submitted "
+            "again under the new weights",
+            value=a.resubmitted,
+        )
+        yield GaugeMetricFamily(
+            "routereplay_requests_held",
+            "completion requests the service holds until the paused engine resumes",
+            value=a.waiting,
+        )
+        resets = CounterMetricFamily(
+            "routereplay_prefix_cache_resets",
+            "prefix-cache resets after a weight change: cleared, or refused by the engine "
+            "(requests held KV blocks; the cache partition keeps old blocks from new requests)",
+            labels=["result"],
+        )
+        for result, n in self.prefix_cache_resets.items():
+            resets.add_metric([result], n)
+        yield resets
 
     # -- request path ------------------------------------------------------------------------------
     def _sampling_params(
@@ -522,16 +595,13 @@ class VllmBackend(EngineBackend):
             )
         params = self._sampling_params(req.request, len(prompt_ids))
         weights = wants_route_weights(req.request, self.route_weights)
-        n = params.n
-        self._inflight[req.engine_request_id] = req.request_id
-        run = self._run(req, prompt, prompt_ids, params, n, weights)
+        run = self._run(req, prompt, prompt_ids, params, weights)
         try:
             async for ev in run:
                 yield ev
         finally:
             # Close it now, not at garbage collection: closing aborts the engine request.
             await run.aclose()
-            self._inflight.pop(req.engine_request_id, None)
 
     async def _run(
         self,
@@ -539,71 +609,122 @@ class VllmBackend(EngineBackend):
         prompt: Any,
         prompt_ids: list[int],
         params: Any,
-        n: int,
         weights: bool,
     ) -> AsyncIterator[EngineEvent]:
-        from vllm.exceptions import VLLMClientError
-        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
-
-        outputs = self.engine.generate(prompt, params, req.engine_request_id)
-        # The engine validates some parameters only on submit (e.g. n > 1 with greedy sampling):
-        # wait for its first output so those are client errors too, raised before any event.
+        ticket, outputs, first = await self._submit(req, prompt, params)
         try:
-            first = await anext(outputs)
-        except (VLLMClientError, ValueError) as e:
+            yield PromptRendered(prompt_token_ids=prompt_ids)
+            async for ev in self._events(params, weights, _chain(first, outputs)):
+                yield ev
+        except ServiceError:
+            raise
+        except Exception as e:
+            mapped = _engine_error(e, req.request, started=True)
+            if mapped is None:
+                raise
+            raise mapped from e
+        finally:
+            # Closing an unfinished vLLM stream aborts the request in the engine.
             await outputs.aclose()
-            raise _client_error(e, req.request) from e
-        except EngineDeadError as e:
-            raise EngineUnavailableError("the vLLM engine is dead", code="engine_dead") from e
-        except StopAsyncIteration as e:
-            raise EngineUnavailableError("engine produced no output", code="engine_error") from e
-        yield PromptRendered(prompt_token_ids=prompt_ids)
+            self.admission.close(ticket)
 
+    async def _submit(
+        self, req: GenerationRequest, prompt: Any, params: Any
+    ) -> tuple[Ticket, Any, Any]:
+        """Submit the request under the weights generation now serving and wait for its first
+        output; submit it again when the weights change before that (:mod:`..admission`)."""
+        user_salt = req.request.cache_salt
+        attempt = 0
+        while True:
+            await self.admission.wait_open()
+            self._check_alive()
+            # A new engine id each time: vLLM aborts by id, and the old one may still be leaving.
+            engine_id = req.engine_request_id + (f".{attempt}" if attempt else "")
+            ticket = self.admission.admit(engine_id, req.request_id)
+            salted = {**prompt, "cache_salt": cache_salt(ticket.generation, user_salt)}
+            outputs = self.engine.generate(salted, params, engine_id)
+            try:
+                first = await self._first_output(ticket, outputs, req.request)
+            finally:
+                if not ticket.started:
+                    await outputs.aclose()
+                    self.admission.close(ticket)
+            if ticket.started:
+                return ticket, outputs, first
+            attempt += 1
+
+    async def _first_output(self, ticket: Ticket, outputs: Any, request: Any) -> Any:
+        """The engine's first output for ``ticket``, which then keeps its generation. Without
+        one (``ticket.started`` stays False) when a weight change took the request back first,
+        or when a paused engine refused it (vLLM 0.33) while the service holds new requests:
+        either way it is submitted again once requests are admitted. The engine validates some
+        parameters only on submit (n > 1 with greedy sampling): client errors, raised here."""
+        first = asyncio.ensure_future(anext(outputs))
+        retake = asyncio.ensure_future(ticket.retake.wait())
+        try:
+            await asyncio.wait([first, retake], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            retake.cancel()
+            if not first.done():
+                first.cancel()  # vLLM's generate aborts its request when cancelled
+                with contextlib.suppress(BaseException):
+                    await first
+        if first.cancelled() or ticket.retake.is_set():
+            return None
+        e = first.exception()
+        if e is None:
+            self.admission.started(ticket)
+            return first.result()
+        if isinstance(e, StopAsyncIteration):
+            raise EngineUnavailableError("engine produced no output", code="engine_error") from e
+        from vllm.exceptions import RetryableRequestError
+
+        if isinstance(e, RetryableRequestError) and self.admission.held:
+            return None
+        mapped = _engine_error(e, request, started=False)
+        if mapped is None:
+            raise e
+        raise mapped from e
+
+    async def _events(
+        self, params: Any, weights: bool, outputs: AsyncIterator[Any]
+    ) -> AsyncIterator[EngineEvent]:
+        """The engine's outputs as events, each choice finished once with its routes."""
+        n = params.n
         out_ids: list[list[int]] = [[] for _ in range(n)]
         # A choice can report finish_reason before its routes arrive (they come on the request's
         # final message); such choices wait here and finish with that message.
         pending: dict[int, Any] = {}
         done: set[int] = set()
-        num_logprobs = params.logprobs
         row_start = params.routed_experts_prompt_start
-        try:
-            async for out in _chain(first, outputs):
-                for o in out.outputs:
-                    i = o.index
-                    if i in done:
-                        continue
-                    if o.token_ids:
-                        out_ids[i].extend(o.token_ids)
-                        yield ChoiceDelta(
-                            index=i,
-                            text=o.text,
-                            token_ids=list(o.token_ids),
-                            logprobs=self._logprobs(o, num_logprobs),
-                        )
-                    if o.finish_reason is not None:
-                        if o.routed_experts is None and not out.finished:
-                            pending[i] = o
-                            continue
-                        done.add(i)
-                        pending.pop(i, None)
-                        fin = self._finished(o, out_ids[i], out.num_cached_tokens, row_start)
-                        yield await self._split_weights(fin, weights)
-                if out.finished:
-                    for i, o in list(pending.items()):
-                        done.add(i)
-                        fin = self._finished(o, out_ids[i], out.num_cached_tokens, row_start)
-                        yield await self._split_weights(fin, weights)
-                    pending.clear()
-        except EngineDeadError as e:
-            raise EngineUnavailableError(
-                "the vLLM engine died while serving this request; routes were not stored",
-                code="engine_dead",
-            ) from e
-        except EngineGenerateError as e:
-            raise EngineUnavailableError(f"engine error: {e}", code="engine_error") from e
-        finally:
-            # Closing an unfinished vLLM stream aborts the request in the engine.
-            await outputs.aclose()
+        async for out in outputs:
+            for o in out.outputs:
+                i = o.index
+                if i in done:
+                    continue
+                if o.token_ids:
+                    out_ids[i].extend(o.token_ids)
+                    yield ChoiceDelta(
+                        index=i,
+                        text=o.text,
+                        token_ids=list(o.token_ids),
+                        logprobs=self._logprobs(o, params.logprobs),
+                    )
+                if o.finish_reason is None:
+                    continue
+                if o.routed_experts is None and not out.finished:
+                    pending[i] = o
+                    continue
+                done.add(i)
+                pending.pop(i, None)
+                fin = self._finished(o, out_ids[i], out.num_cached_tokens, row_start)
+                yield await self._split_weights(fin, weights)
+            if out.finished:
+                for i, o in list(pending.items()):
+                    done.add(i)
+                    fin = self._finished(o, out_ids[i], out.num_cached_tokens, row_start)
+                    yield await self._split_weights(fin, weights)
+                pending.clear()
 
     async def _split_weights(self, fin: ChoiceFinished, wanted: bool) -> ChoiceFinished:
         """With the capture on, the engine's rows carry ids and weights: vLLM's ids for every
@@ -676,25 +797,31 @@ class VllmBackend(EngineBackend):
 
 
 class _OneAtATime:
-    """Runs weight loads one at a time, each to its end once it has started.
+    """Runs the RL calls that change the engine's state one at a time, each to its end once it
+    has started, in the order they arrive (asyncio's lock is fair).
 
-    The lock is held by the task that does the load, never by its caller: a caller that is
-    cancelled (its client hung up) leaves a started load running, and the lock held, until the
-    load, or the restore after it, ends; otherwise a second load could start on an engine
-    still loading (or half loaded). A caller cancelled while still waiting for the lock drops
-    its load: nobody would learn its outcome."""
+    The lock is held by the task that does the work, never by its caller: a caller that is
+    cancelled (its client hung up) leaves a started call running, and the lock held, until the
+    call (a load, or the restore after it) ends; otherwise a second load, or a resume, could
+    run on an engine still loading (or half loaded). A caller cancelled while still waiting for
+    the lock drops its call: nobody would learn its outcome."""
 
     def __init__(self) -> None:
         self._lock = asyncio.Lock()
-        self._orphans: set[asyncio.Task[Any]] = set()  # loads whose caller went away
+        self._orphans: set[asyncio.Task[Any]] = set()  # calls whose caller went away
+        self.running: dict[str, Any] | None = None  # what holds the lock now
 
-    async def run(self, work: Callable[[], Awaitable[T]]) -> T:
+    async def run(self, what: dict[str, Any], work: Callable[[], Awaitable[T]]) -> T:
         started = asyncio.Event()
 
         async def locked() -> T:
             async with self._lock:
                 started.set()
-                return await work()
+                self.running = {**what, "started_at": time.time()}
+                try:
+                    return await work()
+                finally:
+                    self.running = None
 
         task = asyncio.ensure_future(locked())
         try:
@@ -710,11 +837,15 @@ class _OneAtATime:
     def _orphan_done(self, task: asyncio.Task[Any]) -> None:
         self._orphans.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.error("a weight load whose caller went away failed: %s", task.exception())
+            log.error("an RL call whose caller went away failed: %s", task.exception())
 
 
 class _VllmRL(RLControl):
     """The RL API on the in-process ``AsyncLLM``: the same engine calls vLLM's own server makes.
+
+    Every call that changes the engine's state (pause, resume, the weight version, the weight
+    transfer, loads) runs one at a time (:class:`_OneAtATime`); a weight change moves the
+    weights generation (:mod:`..admission`) before generation resumes, under the new version.
 
     Weight transfer backends (``init_weight_transfer_engine`` / ``update_weights``): vLLM's
     ``nccl``, ``ipc`` (CUDA IPC), ``sparse_nccl`` and ``nccl_m2n`` need GPUs; set the backend with
@@ -724,7 +855,8 @@ class _VllmRL(RLControl):
 
     def __init__(self, backend: VllmBackend) -> None:
         self.b = backend
-        self._reloads = _OneAtATime()
+        self._ops = _OneAtATime()
+        self._last_change: dict[str, Any] | None = None
         self._served: Checkpoint | None = None
         self._good: Path | None = None  # the weights last loaded whole (first: the served model)
         self._good_root: Path | None = None  # the weights root _good was loaded under, if any
@@ -735,18 +867,39 @@ class _VllmRL(RLControl):
             raise EngineUnavailableError("the engine is not running", code="engine_dead")
         return self.b.engine
 
+    def _one(self, op: str, work: Callable[[], Awaitable[T]], **what: Any) -> Awaitable[T]:
+        return self._ops.run({"op": op, **what}, work)
+
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
-        await self.engine.pause_generation(mode=mode, clear_cache=clear_cache)
+        await self._one("pause", lambda: self._pause(mode, clear_cache), mode=mode)
+
+    async def _pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        admission = self.b.admission
+        was_held = admission.held
+        admission.hold()  # new requests wait in the service until /resume
+        try:
+            await self.engine.pause_generation(mode=mode, clear_cache=clear_cache)
+        except BaseException:
+            if not was_held:
+                admission.release_hold()
+            raise
 
     async def resume(self) -> None:
+        await self._one("resume", self._resume)
+
+    async def _resume(self) -> None:
         await self.engine.resume_generation()
+        self.b.admission.release_hold()
 
     async def is_paused(self) -> bool:
         return bool(await self.engine.is_paused())
 
     async def abort_requests(self, request_ids: list[str] | None) -> int:
+        # Not ordered with the other calls: an abort is always safe, and it is what ends a
+        # /pause?mode=wait that waits on long requests.
         wanted = set(request_ids or ())
-        ids = [e for e, rid in self.b._inflight.items() if not wanted or rid in wanted]
+        tickets = self.b.admission.tickets()
+        ids = [t.engine_id for t in tickets if not wanted or t.client_id in wanted]
         if ids:
             await self.engine.abort(ids)
         return len(ids)
@@ -754,55 +907,126 @@ class _VllmRL(RLControl):
     async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        await self.engine.init_weight_transfer_engine(
-            WeightTransferInitRequest(init_info=init_info)
-        )
+        request = WeightTransferInitRequest(init_info=init_info)
+        await self._one("init_weight_transfer_engine",
+                        lambda: self.engine.init_weight_transfer_engine(request))  # fmt: skip
 
     async def shutdown_weight_transfer_engine(self) -> None:
-        await self.engine.shutdown_weight_transfer_engine()
+        await self._one("shutdown_weight_transfer_engine",
+                        lambda: self.engine.shutdown_weight_transfer_engine())  # fmt: skip
 
     async def start_weight_update(self) -> None:
+        await self._one("start_weight_update", self._start_weight_update)
+
+    async def _start_weight_update(self) -> None:
         await self.engine.start_weight_update()
+        # From here the weights are partly new: nothing computed now may serve a later request.
+        await self._weights_changed()
 
     async def update_weights(self, update_info: dict[str, Any]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+        request = WeightTransferUpdateRequest(update_info=update_info)
+        await self._one("update_weights", lambda: self.engine.update_weights(request))
 
     async def finish_weight_update(self, weight_version: str | None) -> None:
-        await self.engine.finish_weight_update(weight_version)
-        await self.engine.reset_prefix_cache()
+        # The version is set by _changing_weights, before generation resumes.
+        work = lambda: self._changing_weights(  # noqa: E731
+            lambda: self.engine.finish_weight_update(None), weight_version
+        )
+        await self._one("finish_weight_update", self._tracked(work),
+                        weight_version=weight_version)  # fmt: skip
 
     async def update_weight_version(self, new_version: str) -> None:
-        await self.engine.update_weight_version(new_version)
+        # A new label for the same weights: the cache they computed stays theirs.
+        await self._one("update_weight_version",
+                        lambda: self.engine.update_weight_version(new_version),
+                        weight_version=new_version)  # fmt: skip
 
     async def weight_version(self) -> str:
         return str(await self.engine.get_weight_version())
 
+    def weight_update_status(self) -> dict[str, Any]:
+        return {"running": self._ops.running, "last_weight_change": self._last_change}
+
     async def reload_weights(
         self, checkpoint: Path, weight_version: str | None, root: Path
     ) -> None:
-        await self._reloads.run(lambda: self._reload(checkpoint, weight_version, root))
+        work = lambda: self._reload(checkpoint, weight_version, root)  # noqa: E731
+        await self._one("reload_weights", self._tracked(work), weights_path=str(checkpoint),
+                        weight_version=weight_version)  # fmt: skip
 
-    async def _reload(self, checkpoint: Path, weight_version: str | None, root: Path) -> None:
-        engine = self.engine
-        fmt = self._load_format()
-        new = await asyncio.to_thread(read_checkpoint, checkpoint, root, fmt)
-        check_compatible(new, await self._served_checkpoint())
-        # vLLM frees the old tensors before it reads the new ones: no step may run in between
-        # (running requests freeze, as under /pause?mode=keep, and go on under the new weights).
-        was_paused = bool(await engine.is_paused())
+    def _tracked(self, work: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+        """``work`` recorded as the last weight change (what a caller that timed out reads on
+        ``GET /weight_update``) once it ends."""
+
+        async def tracked() -> None:
+            change = dict(self._ops.running or {})
+            state, error = "failed", None
+            try:
+                await work()
+                state = "done"
+            except BaseException as e:
+                error = e.message if isinstance(e, ServiceError) else f"{type(e).__name__}: {e}"
+                raise
+            finally:
+                self._last_change = {**change, "state": state, "error": error,
+                                     "finished_at": time.time()}  # fmt: skip
+
+        return tracked
+
+    async def _changing_weights(
+        self, change: Callable[[], Awaitable[None]], weight_version: str | None
+    ) -> None:
+        """Run ``change`` with generation stopped (running requests frozen, as under
+        ``/pause?mode=keep``; new ones held in the service), then, before anything runs again:
+        label the new weights, move the weights generation and take back the requests that
+        have not started. A service that was paused stays paused."""
+        engine, admission = self.engine, self.b.admission
+        was_held, was_paused = admission.held, bool(await engine.is_paused())
+        admission.hold()
         if not was_paused:
             await engine.pause_generation(mode="keep", clear_cache=False)
         try:
-            await self._load(checkpoint, root, new)
+            await change()
+            if weight_version is not None:
+                await engine.update_weight_version(weight_version)
         finally:
-            if not was_paused and not self.b.dead:
-                await engine.resume_generation()
-        # Cached prefixes (and their routes) were computed by the old weights.
-        await engine.reset_prefix_cache()
-        if weight_version is not None:
-            await engine.update_weight_version(weight_version)
+            if not self.b.dead:
+                await self._weights_changed()
+                if not was_paused:
+                    await engine.resume_generation()
+            if not was_held:
+                admission.release_hold()
+
+    async def _weights_changed(self) -> None:
+        """A new weights generation: requests of the old one that have produced nothing are
+        taken back (aborted here, submitted again under the new one); then the prefix cache is
+        cleared where the engine allows it (memory only: the generation keeps it apart)."""
+        admission = self.b.admission
+        taken = admission.advance()
+        await admission.settle(taken)
+        if taken:
+            # Also reaches a request whose submission was still on its way when it was taken.
+            await self.engine.abort([t.engine_id for t in taken])
+            log.info("weights changed: %d request(s) not yet started resubmitted", len(taken))
+        cleared = bool(await self.engine.reset_prefix_cache())
+        self.b.prefix_cache_resets["cleared" if cleared else "refused"] += 1
+        if cleared:
+            log.info("weights generation %d: prefix cache cleared", admission.generation)
+        else:
+            log.warning(
+                "weights generation %d: the engine kept its prefix cache (requests hold KV "
+                "blocks); its blocks serve no request of the new generation",
+                admission.generation,
+            )
+
+    async def _reload(self, checkpoint: Path, weight_version: str | None, root: Path) -> None:
+        fmt = self._load_format()
+        new = await asyncio.to_thread(read_checkpoint, checkpoint, root, fmt)
+        check_compatible(new, await self._served_checkpoint())
+        # vLLM frees the old tensors before it reads the new ones: no step may run in between.
+        await self._changing_weights(lambda: self._load(checkpoint, root, new), weight_version)
 
     def _load_format(self) -> str:
         """The engine's load format: it decides which files of a checkpoint vLLM reads."""

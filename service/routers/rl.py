@@ -98,7 +98,8 @@ async def finish_weight_update(
     raw_request: Request,
     weight_version: Annotated[str | None, Body(embed=True, max_length=128)] = None,
 ) -> dict[str, Any]:
-    """End a weight update (``weight_version`` labels the new weights); clears the prefix cache."""
+    """End a weight update: ``weight_version`` labels the new weights before generation resumes,
+    and no later request reuses a prefix the old weights cached."""
     return await rl(raw_request).finish_weight_update(weight_version)
 
 
@@ -115,6 +116,14 @@ async def weight_info(raw_request: Request) -> dict[str, Any]:
     return await rl(raw_request).weight_info()
 
 
+@router.get("/weight_update")
+async def weight_update(raw_request: Request) -> dict[str, Any]:
+    """routereplay: the RL call that runs now (``running``: op, arguments, ``started_at``) and
+    the last weight change (``last_weight_change``: a reload or a finished transfer, its
+    ``state`` ``done`` or ``failed`` and ``error``), for a caller whose call timed out."""
+    return await rl(raw_request).weight_update()
+
+
 @router.post("/reload_weights")
 async def reload_weights(
     raw_request: Request,
@@ -122,7 +131,8 @@ async def reload_weights(
     weight_version: Annotated[str | None, Body(embed=True, min_length=1, max_length=128)] = None,
 ) -> dict[str, Any]:
     """routereplay: load the weights of a checkpoint directory in place (safetensors as the
-    model's own), label them ``weight_version`` and clear the prefix cache."""
+    model's own) and label them ``weight_version``, both before generation resumes; no later
+    request reuses a prefix the old weights cached."""
     return await rl(raw_request).reload_weights(weights_path, weight_version)
 
 

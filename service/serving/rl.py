@@ -122,6 +122,13 @@ class ServingRL:
     async def weight_info(self) -> dict[str, Any]:
         return {"weight_version": await self._op("weight_info", self.rl.weight_version())}
 
+    async def weight_update(self) -> dict[str, Any]:
+        status = self.rl.weight_update_status()
+        if status is None:
+            raise NotSupportedError("this engine backend does not track weight updates")
+        version = await self._op("weight_info", self.rl.weight_version())
+        return {"weight_version": version, **status}
+
     async def reload_weights(self, weights_path: str, weight_version: str | None) -> dict[str, Any]:
         rl = self.rl
         try:

@@ -21,19 +21,23 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from routereplay.service.admission import Admission
 from routereplay.service.checkpoints import CheckpointError
 from routereplay.service.vllm_engine import _VllmRL
 
 
 class RecordingEngine:
     """The engine calls a weight load makes, in ``calls``; ``on_pause`` runs as generation
-    pauses (right before the load), ``during_load`` inside the engine's read of a checkpoint."""
+    pauses (right before the load), ``during_load`` inside the engine's read of a checkpoint.
+    As vLLM, it refuses to reset its prefix cache while a request holds KV blocks
+    (``blocks_held``)."""
 
     def __init__(self) -> None:
         self.vllm_config = SimpleNamespace(load_config=SimpleNamespace(load_format="auto"))
         self.calls: list[str] = []
         self.paused = False
         self.version = "default"
+        self.blocks_held = False
         self.on_pause: Callable[[], None] | None = None
         self.during_load: Callable[[Path], Awaitable[None]] | None = None
 
@@ -50,10 +54,15 @@ class RecordingEngine:
         self.calls.append("resume")
         self.paused = False
 
-    async def reset_prefix_cache(self) -> None:
-        pass
+    async def reset_prefix_cache(self) -> bool:
+        self.calls.append("reset refused" if self.blocks_held else "reset")
+        return not self.blocks_held
+
+    async def abort(self, ids: list[str]) -> None:
+        self.calls.append(f"abort {','.join(ids)}")
 
     async def update_weight_version(self, version: str) -> None:
+        self.calls.append(f"version {version}")
         self.version = version
 
     async def get_weight_version(self) -> str:
@@ -72,6 +81,8 @@ class Backend:
     def __init__(self, model: Path, engine: RecordingEngine) -> None:
         self.model, self.engine, self.dead = str(model), engine, False
         self.failed: str | None = None
+        self.admission = Admission()
+        self.prefix_cache_resets = {"cleared": 0, "refused": 0}
 
     def fail(self, reason: str) -> None:
         self.dead, self.failed = True, reason
@@ -114,7 +125,9 @@ async def test_a_checked_load_reaches_the_engine(
 ) -> None:
     ckpt = write_checkpoint(root / "step-1")
     await rl.reload_weights(ckpt, "step-1", root)
-    assert engine.calls == ["pause", "load step-1", "loaded step-1", "resume"]
+    # Labelled before anything runs again: no token of the new weights under the old label.
+    assert engine.calls == ["pause", "load step-1", "loaded step-1", "version step-1", "reset",
+                            "resume"]  # fmt: skip
     assert engine.version == "step-1"
 
 
@@ -184,7 +197,7 @@ async def test_a_checkpoint_changed_right_before_the_load_is_refused(
     with pytest.raises(CheckpointError) as e:
         await rl.reload_weights(ckpt, "step-1", root)
     assert e.value.code == "checkpoint_changed" and words in e.value.message, e.value.message
-    assert engine.calls == ["pause", "resume"] and engine.version == "default"
+    assert engine.calls == ["pause", "reset", "resume"] and engine.version == "default"
 
 
 @pytest.mark.parametrize("change", CHANGES)
@@ -204,7 +217,7 @@ async def test_a_checkpoint_changed_while_the_engine_reads_it_restores_the_last_
     assert e.value.code == "checkpoint_load_failed", e.value.message
     assert words in e.value.message and "('default') are restored" in e.value.message
     assert engine.calls == ["pause", "load step-1", "loaded step-1", "load served",
-                            "loaded served", "resume"]  # fmt: skip
+                            "loaded served", "reset", "resume"]  # fmt: skip
     assert engine.version == "default" and not rl.b.dead
 
 
@@ -230,8 +243,9 @@ async def test_a_cancelled_caller_keeps_the_lock_until_its_load_ends(
     assert engine.calls == ["pause", "load step-1"]  # the second load waits
     release.set()
     await asyncio.wait_for(later, 10)
-    assert engine.calls == ["pause", "load step-1", "loaded step-1", "resume",
-                            "pause", "load step-2", "loaded step-2", "resume"]  # fmt: skip
+    assert engine.calls == ["pause", "load step-1", "loaded step-1", "version step-1", "reset",
+                            "resume", "pause", "load step-2", "loaded step-2", "version step-2",
+                            "reset", "resume"]  # fmt: skip
     assert engine.version == "step-2"
 
 
@@ -249,15 +263,15 @@ async def test_a_caller_cancelled_while_it_waits_drops_its_load() -> None:
         return name
 
     one = _OneAtATime()
-    a = asyncio.create_task(one.run(lambda: load("a")))
-    b = asyncio.create_task(one.run(lambda: load("b")))
+    a = asyncio.create_task(one.run({"op": "a"}, lambda: load("a")))
+    b = asyncio.create_task(one.run({"op": "b"}, lambda: load("b")))
     await asyncio.sleep(0.05)
     b.cancel()  # still waiting for the lock: its load never runs
     a.cancel()  # started: it runs to its end, holding the lock
     for t in (a, b):
         with pytest.raises(asyncio.CancelledError):
             await t
-    c = asyncio.create_task(one.run(lambda: load("c")))
+    c = asyncio.create_task(one.run({"op": "c"}, lambda: load("c")))
     await asyncio.sleep(0.05)
     assert runs == ["start a"]
     release.set()

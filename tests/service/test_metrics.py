@@ -136,8 +136,8 @@ def reached(phase: str, c: httpx.Client, before: Samples) -> Callable[[], bool]:
 
     def now() -> bool:
         m = scrape(c)
-        if phase == "queued":  # inside the engine, which is paused
-            return value(m, "routereplay_engine_queue_depth") >= 1
+        if phase == "queued":  # held by the service while the engine is paused
+            return value(m, "routereplay_requests_held") >= 1
         generated = value(m, "vllm:generation_tokens_total") > value(
             before, "vllm:generation_tokens_total"
         )
@@ -162,6 +162,7 @@ def settled(c: httpx.Client, endpoint: str, before: Samples) -> Callable[[], boo
             value(m, "routereplay_requests_total", endpoint=endpoint, status="499") > gone_before
             and value(m, "routereplay_requests_inflight") == 0
             and value(m, "routereplay_engine_queue_depth") == 0
+            and value(m, "routereplay_requests_held") == 0
         )
 
     return now
@@ -187,7 +188,7 @@ def serves_alone(metered: Metered, c: httpx.Client, request_id: str) -> None:
 
 @contextlib.contextmanager
 def paused(admin: httpx.Client, pause: bool) -> Iterator[None]:
-    """The engine paused (new requests wait in its queue) while inside, if ``pause``."""
+    """The engine paused (new requests wait in the service) while inside, if ``pause``."""
     if not pause:
         yield
         return
