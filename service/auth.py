@@ -1,13 +1,14 @@
 """API keys, tenants and the admin scope.
 
-With no key configured the service is open (the embedded default on loopback) and every route
-lives in one namespace. With keys (``--api-keys``, ``--api-keys-file``, ``--admin-keys``,
-``--admin-keys-file``; entries ``TENANT:KEY`` or a bare ``KEY``), every endpoint but ``/health``
-needs ``Authorization: Bearer <key>``, and each key's tenant owns a route namespace: its routes,
-request ids and prefix index live under the Redis prefix ``<route-prefix>:t:<tenant>``, so one
-tenant can neither read, delete nor overwrite another's routes (a reused ``X-Request-Id`` lands in
-the caller's own namespace). Admin keys also reach any tenant's routes (``?tenant=``) and, later,
-the RL control endpoints.
+With no key configured the service is open (the embedded default on loopback): completions,
+routes and metrics need no key and every route lives in one namespace, but the RL control API
+stays closed unless ``--unsafe-no-auth`` opens it too. With keys (``--api-keys``,
+``--api-keys-file``, ``--admin-keys``, ``--admin-keys-file``; entries ``TENANT:KEY`` or a bare
+``KEY``), every endpoint but ``/health`` needs ``Authorization: Bearer <key>``, and each key's
+tenant owns a route namespace: its routes, request ids and prefix index live under the Redis
+prefix ``<route-prefix>:t:<tenant>``, so one tenant can neither read, delete nor overwrite
+another's routes (a reused ``X-Request-Id`` lands in the caller's own namespace). Admin keys also
+reach any tenant's routes (``?tenant=``) and the RL control endpoints.
 
 Keys are compared in constant time: the presented key's SHA-256 is compared with every
 configured key's SHA-256 with ``hmac.compare_digest``, without stopping at a match.
@@ -78,7 +79,8 @@ class Principal:
         return tenant
 
 
-OPEN = Principal(tenant=None, admin=True)
+OPEN = Principal(tenant=None, admin=False)  # no keys: routes and completions, never the RL API
+UNSAFE_OPEN = Principal(tenant=None, admin=True)  # no keys and --unsafe-no-auth
 
 
 def _parse_entry(entry: str, where: str) -> tuple[str, str]:
@@ -100,10 +102,11 @@ def _entries(inline: list[str], file: Path | None, what: str) -> list[tuple[str,
 class KeyRing:
     """The configured keys: SHA-256 of each, with its tenant and scope."""
 
-    def __init__(self, entries: list[tuple[str, str, bool]]) -> None:
+    def __init__(self, entries: list[tuple[str, str, bool]], unsafe_open: bool = False) -> None:
         self._keys = [
             (hashlib.sha256(key.encode()).digest(), tenant, admin) for tenant, key, admin in entries
         ]
+        self._open = UNSAFE_OPEN if unsafe_open else OPEN
 
     @classmethod
     def from_settings(cls, s: Settings) -> KeyRing:
@@ -111,7 +114,8 @@ class KeyRing:
         admin = _entries(
             [k.get_secret_value() for k in s.admin_keys], s.admin_keys_file, "admin-keys"
         )
-        return cls([(t, k, False) for t, k in user] + [(t, k, True) for t, k in admin])
+        entries = [(t, k, False) for t, k in user] + [(t, k, True) for t, k in admin]
+        return cls(entries, unsafe_open=s.unsafe_no_auth)
 
     @property
     def enabled(self) -> bool:
@@ -120,7 +124,7 @@ class KeyRing:
     def authenticate(self, authorization: str | None) -> Principal:
         """The caller behind an ``Authorization`` header; 401 unless it holds a known key."""
         if not self.enabled:
-            return OPEN
+            return self._open
         if not authorization:
             raise AuthenticationError("missing credentials: send Authorization: Bearer <API key>")
         scheme, _, token = authorization.partition(" ")

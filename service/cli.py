@@ -10,6 +10,7 @@ than after the engine's start-up.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import re
@@ -130,22 +131,46 @@ class _StopSignals:
             raise SystemExit(0)
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any address
+        return False
+
+
+def check_open_mode(settings: Settings, keys_enabled: bool) -> None:
+    """Refuse to listen beyond loopback without API keys, unless ``--unsafe-no-auth``."""
+    if keys_enabled or settings.unsafe_no_auth or is_loopback(settings.host):
+        return
+    raise UsageError(
+        f"--host {settings.host} without API keys would serve every route and completion to "
+        "anyone who reaches it: give --api-keys-file / --admin-keys-file (or --api-keys), or "
+        "--unsafe-no-auth to serve it open anyway (the RL control API included)"
+    )
+
+
+def open_mode_warning(settings: Settings) -> str:
+    """What a service without API keys leaves open, in one line."""
+    where = f"{settings.host}:{settings.port}"
+    if settings.unsafe_no_auth:
+        return (
+            f"--unsafe-no-auth and no API keys: completions, routes (read and delete), /metrics "
+            f"and the RL control API (pause, abort, weight loads and transfers) are open to "
+            f"anyone who reaches {where}"
+        )
+    return (
+        f"no API keys: completions, routes (read and delete) and /metrics are open to anyone "
+        f"who reaches {where}; the RL control API is closed (it needs --admin-keys)"
+    )
+
+
 def serve_main(argv: list[str]) -> int:
     stop = _StopSignals()
     stop.install()
-    try:
-        settings = settings_from_argv(argv)
-        sock = bind_socket(settings.host, settings.port)
-    except UsageError as e:
-        print(f"routereplay serve: error: {e}", file=sys.stderr)
-        return 2
-    import uvicorn
-
-    from .app import StartupRefusalQuiet, create_app
-
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     fatal: list[str] = []
-    server: uvicorn.Server | None = None
+    server: Any = None
 
     def on_fatal(reason: str) -> None:
         # A dead engine never comes back: stop (gracefully) and exit non-zero, so the
@@ -155,16 +180,20 @@ def serve_main(argv: list[str]) -> int:
             server.should_exit = True
 
     try:
-        app = create_app(settings, on_fatal=on_fatal)
-    except (ValueError, OSError) as e:  # an unreadable key file, a malformed or short key
+        settings = settings_from_argv(argv)
+        from .app import StartupRefusalQuiet, create_app
+
+        app = create_app(settings, on_fatal=on_fatal)  # reads the key files; starts nothing
+        check_open_mode(settings, app.state.keys.enabled)
+        sock = bind_socket(settings.host, settings.port)
+    except (UsageError, ValueError, OSError) as e:  # also: an unreadable or malformed key file
         print(f"routereplay serve: error: {e}", file=sys.stderr)
         return 2
-    if not app.state.keys.enabled and settings.host not in ("127.0.0.1", "::1", "localhost"):
-        logging.getLogger("routereplay.service").warning(
-            "listening on %s without API keys: anyone who reaches it can read and delete "
-            "routes (set --api-keys-file)",
-            settings.host,
-        )
+    import uvicorn
+
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    if not app.state.keys.enabled:
+        logging.getLogger("routereplay.service").warning("%s", open_mode_warning(settings))
     config = uvicorn.Config(
         StartupRefusalQuiet(app), log_level=settings.log_level, timeout_graceful_shutdown=10,
         # One worker: the engine lives in this process; vLLM scales inside it.

@@ -96,6 +96,12 @@ class Settings(BaseSettings):
         description="keys that also reach every tenant's routes, comma-separated or a JSON list",
     )
     admin_keys_file: Path | None = Field(None, description="file of admin keys, one per line")
+    unsafe_no_auth: bool = Field(
+        False,
+        description="UNSAFE: without API keys, open the RL control API (pause, abort, weight "
+        "loads and transfers) to every caller and allow listening on a non-loopback address; "
+        "only where nobody else can reach the port",
+    )
     metrics_open: bool = Field(
         False,
         description="serve /metrics without a key (for scrapers that cannot send one; it holds "

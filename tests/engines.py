@@ -4,7 +4,7 @@ vLLM engine) per engine configuration for the whole session, and the helpers tha
 - ``service``: the embedded default, whose weights never change (other modules compare its
   routes with an offline engine).
 - ``rl_service``: the RL control API's engine, as an admin, with file loads under its weights
-  root and the scheduler's test hold (``service/_test_hold.py``); its weights change.
+  root and the scheduler's test hold (``tests/plugins/vllm_test_hold``); its weights change.
 
 Each runs as a real ``routereplay serve`` subprocess on a free loopback port, storing into the
 pytest session's private redis-server (``redis_url`` from tests/conftest.py). Both start with the
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+import routereplay_test_hold as _test_hold
 
 from routereplay.bench.servers import Server, engine_env, launched, server_processes, wait_ready
 from routereplay.client import RouteStore
 from routereplay.local_redis import free_port
-from routereplay.service import _test_hold
 from routereplay.service.tiny_model import ensure_tiny_model
 
 MODEL_NAME = "tiny-qwen3-moe-moe"
@@ -184,7 +184,7 @@ def http(service: Service) -> Iterator[httpx.Client]:
 @dataclass
 class RLService:
     """The RL engine: ``weights_root`` is its ``--weights-root``; requests named ``held-*``
-    park after their first tokens until :meth:`release` (``service/_test_hold.py``)."""
+    park after their first tokens until :meth:`release` (``tests/plugins/vllm_test_hold``)."""
 
     service: Service
     proc: subprocess.Popen

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from routereplay.service.settings import Settings
@@ -84,17 +85,52 @@ def test_every_package_is_in_the_wheel() -> None:
     assert found == set(cfg["packages"]), found ^ set(cfg["packages"])
 
 
-def test_the_wheel_is_pure_python(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel the standard build backend makes of this checkout's files (copied: a stale
+    ``build/`` of an earlier install would otherwise slip old modules into it)."""
+    import shutil
+
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
+    files = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "--cached", "--others", "--exclude-standard"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    for f in files:
+        if (ROOT / f).is_file():
+            (src / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, src / f)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(out), str(src)],
+        check=True,
+    )  # fmt: skip
+    (whl,) = out.glob("*.whl")
+    return whl
+
+
+def test_nothing_for_tests_is_in_the_wheel(wheel: Path) -> None:
+    """The scheduler's test hold is a distribution of its own (tests/plugins): the wheel has no
+    module that parks requests, and its vLLM plugins are the service's two."""
+    import zipfile
+
+    z = zipfile.ZipFile(wheel)
+    names = z.namelist()
+    assert not [n for n in names if "hold" in n.rsplit("/", 1)[-1]], names
+    py = [n for n in names if n.endswith(".py")]
+    assert not [n for n in py if b"Scheduler.schedule =" in z.read(n)]
+    assert not [n for n in names if n.startswith("tests/")]
+    (eps,) = [n for n in names if n.endswith("entry_points.txt")]
+    plugins = z.read(eps).decode().split("[vllm.general_plugins]", 1)[1].split("[", 1)[0]
+    assert sorted(line.split("=")[0].strip() for line in plugins.splitlines() if "=" in line) == [
+        "routereplay_capture", "routereplay_cpu_sampling"]  # fmt: skip
+
+
+def test_the_wheel_is_pure_python(wheel: Path) -> None:
     """One implementation, in Python: the wheel the standard build backend makes is
     ``py3-none-any`` and holds no compiled module or C source, and the repository holds no C."""
     import zipfile
 
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path), str(ROOT)],
-        check=True,
-    )  # fmt: skip
-    (wheel,) = tmp_path.glob("*.whl")
     assert wheel.name.endswith("-py3-none-any.whl"), wheel.name
     names = zipfile.ZipFile(wheel).namelist()
     assert "routereplay/client/_chunks.py" in names

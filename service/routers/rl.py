@@ -22,7 +22,10 @@ def require_admin(who: Annotated[Principal, Depends(principal)]) -> Principal:
     if not who.admin:
         from ..auth import PermissionDeniedError
 
-        raise PermissionDeniedError("the RL control API needs an admin key (--admin-keys)")
+        raise PermissionDeniedError(
+            "the RL control API needs an admin key (--admin-keys); a service without keys "
+            "opens it only with --unsafe-no-auth"
+        )
     return who
 
 

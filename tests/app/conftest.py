@@ -215,14 +215,17 @@ def weights_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture()
 async def svc(redis_url: str, weights_root: Path) -> AsyncIterator[App]:
-    async with running_app(redis_url, weights_root=weights_root) as a:
+    # Without keys, as most tests here; the RL tests call the RL API, which that needs opening.
+    async with running_app(redis_url, weights_root=weights_root, unsafe_no_auth=True) as a:
         yield a
 
 
 @pytest.fixture()
 async def held_svc(redis_url: str, weights_root: Path) -> AsyncIterator[App]:
     """An app over a :class:`HeldEngine` (``app.backend``; its requests hold after one token)."""
-    async with running_app(redis_url, backend=HeldEngine(), weights_root=weights_root) as a:
+    async with running_app(
+        redis_url, backend=HeldEngine(), weights_root=weights_root, unsafe_no_auth=True
+    ) as a:
         yield a
 
 

@@ -219,3 +219,45 @@ async def test_redis_auth_and_tls_and_no_secret_leaks(tls_redis, caplog) -> None
     text = "\n".join(seen) + caplog.text + json.dumps([r.getMessage() for r in caplog.records])
     assert PASSWORD not in text
     assert "***" in text  # the URLs were there, redacted
+
+
+RL_CALLS = [
+    ("POST", "/pause", None), ("POST", "/resume", None), ("GET", "/is_paused", None),
+    ("POST", "/abort_requests", {}), ("POST", "/update_weight_version", {"new_version": "x"}),
+    ("GET", "/weight_info", None), ("GET", "/weight_update", None),
+    ("POST", "/reload_weights", {"weights_path": "step-1"}),
+    ("POST", "/init_weight_transfer_engine", {"init_info": {"master_address": "10.0.0.1"}}),
+    ("POST", "/start_weight_update", None), ("POST", "/finish_weight_update", {}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("method", "path", "body"), RL_CALLS)
+async def test_without_keys_the_rl_api_is_closed(
+    redis_url: str, method: str, path: str, body
+) -> None:
+    """Open mode opens completions and routes, never the calls that change the engine."""
+    async with running_app(redis_url) as svc:
+        r = await svc.http.request(method, path, json=body)
+        err = r.json()["error"]
+        assert (r.status_code, err["code"]) == (403, "permission_denied"), r.text
+        assert "--admin-keys" in err["message"] and "--unsafe-no-auth" in err["message"]
+        assert svc.backend.version == "default" and not await svc.backend.rl.is_paused()
+        ok = await svc.http.post("/v1/completions", json=BODY)
+        assert ok.status_code == 200, ok.text
+        rid = ok.json()["id"]
+        assert (await svc.http.get(f"/v1/routes/{rid}-0")).status_code == 200
+
+
+async def test_unsafe_no_auth_opens_the_rl_api(redis_url: str) -> None:
+    async with running_app(redis_url, unsafe_no_auth=True) as svc:
+        r = await svc.http.post("/pause", params={"mode": "keep"})
+        assert r.json() == {"status": "paused"}, r.text
+        assert (await svc.http.post("/resume")).json() == {"status": "resumed"}
+
+
+async def test_keys_make_unsafe_no_auth_moot(redis_url: str) -> None:
+    """With keys, the RL API takes an admin key whatever the flag says."""
+    async with running_app(redis_url, api_keys=[ALICE], unsafe_no_auth=True) as svc:
+        r = await svc.http.post("/pause", headers=bearer(ALICE))
+        assert r.status_code == 403, r.text
+        assert (await svc.http.post("/pause")).status_code == 401

@@ -70,6 +70,30 @@ def test_port_in_use_fails_before_the_engine_starts(tmp_path: Path) -> None:
     assert not models.exists(), "the engine started before the port was checked"
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.0.2.7", "routereplay.example"])
+def test_a_public_bind_without_keys_is_refused(host: str, tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    r = serve("--host", host, "--port", "0", "--model-dir", str(models))
+    assert r.returncode == 2, r.stderr
+    line = r.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line, line
+    assert f"--host {host} without API keys" in line and "--unsafe-no-auth" in line, line
+    assert not models.exists(), "the engine started before the refusal"
+
+
+def test_unsafe_no_auth_serves_and_names_what_is_open(redis_url: str, tmp_path: Path) -> None:
+    port = free_port()
+    argv = [sys.executable, "-m", "routereplay.cli", "serve", "--backend", "synthetic",
+            "--host", "0.0.0.0", "--port", str(port), "--redis-url", redis_url,
+            "--route-prefix", "clitest-open", "--unsafe-no-auth"]  # fmt: skip
+    log = tmp_path / "serve.log"
+    with server_process(argv, f"http://127.0.0.1:{port}/ready", log, timeout_s=300):
+        assert httpx.post(f"http://127.0.0.1:{port}/pause").json() == {"status": "paused"}
+        assert httpx.post(f"http://127.0.0.1:{port}/resume").json() == {"status": "resumed"}
+    text = log.read_text()
+    assert "the RL control API (pause, abort, weight loads and transfers) are open" in text, text
+
+
 def test_synthetic_backend_serves(redis_url: str, tmp_path) -> None:
     port = free_port()
     argv = [

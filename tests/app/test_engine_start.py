@@ -11,6 +11,9 @@ vLLM's own ``AsyncEngineArgs`` is built for real; nothing here starts an engine.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -132,6 +135,68 @@ def test_plugins_must_be_installed_and_allowed() -> None:
     check_installed([CAPTURE_PLUGIN], environ={"VLLM_PLUGINS": f"x, {CAPTURE_PLUGIN}"})
     with pytest.raises(PluginMissing, match=r"'routereplay_nope' is not installed"):
         check_installed(["routereplay_nope"], environ={})
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ("routereplay.service._vllm_cpu_plugin:register", "points at"),  # a module since removed
+        ("routereplay.service._vllm_plugins:register_cpu_sampling", "points at"),  # swapped
+    ],
+)
+def test_a_stale_plugin_entry_point_is_refused(value: str, words: str) -> None:
+    from importlib.metadata import EntryPoint
+
+    stale = [EntryPoint(CAPTURE_PLUGIN, value, "vllm.general_plugins")]
+    with pytest.raises(PluginMissing, match=words) as e:
+        check_installed([CAPTURE_PLUGIN], environ={}, found=stale)
+    assert "stale: reinstall it" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_plugin_that_does_not_load_is_refused() -> None:
+    from importlib.metadata import EntryPoint
+
+    gone = [EntryPoint("routereplay_other", "routereplay.service._gone:f", "vllm.general_plugins")]
+    with pytest.raises(PluginMissing, match=r"does not load \(ModuleNotFoundError"):
+        check_installed(["routereplay_other"], environ={}, found=gone)
+
+
+def test_a_failed_weights_patch_is_reported_as_itself(monkeypatch) -> None:
+    """The status method registers first: a worker whose weights patch raised says so, rather
+    than passing for a worker that never loaded the plugin."""
+    from routereplay.service import _route_weights, _vllm_plugins
+
+    def broken() -> None:
+        raise RuntimeError("symbol moved")
+
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    monkeypatch.setattr(_route_weights, "maybe_install", broken)
+    # Restored (removed) after the test: register_capture sets it on vLLM's class.
+    monkeypatch.setattr(WorkerWrapperBase, "routereplay_capture_status", None, raising=False)
+    _vllm_plugins.register_capture()
+
+    status = WorkerWrapperBase.routereplay_capture_status(None)  # type: ignore[attr-defined]
+    assert status["failed"] == {"route_weights": "RuntimeError: symbol moved"}
+    with pytest.raises(PluginMissing, match=r"installing it failed: RuntimeError: symbol moved"):
+        check_workers([status], route_weights=True)
+
+
+def test_a_plain_install_has_no_scheduler_hold() -> None:
+    """Only routereplay's own plugins, as a deployment has them: whatever the environment names,
+    nothing wraps vLLM's scheduler."""
+    code = (
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "from vllm.v1.core.sched.scheduler import Scheduler\n"
+        "assert not getattr(Scheduler.schedule, '_routereplay_hold', False)\n"
+        "print('unwrapped')\n"
+    )
+    env = {**os.environ, "VLLM_PLUGINS": f"{CAPTURE_PLUGIN},{CPU_SAMPLING_PLUGIN}",
+           "RR_TEST_HOLD_DIR": "/tmp", "ROUTEREPLAY_TEST_HOLD_DIR": "/tmp"}  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0 and "unwrapped" in out.stdout, out.stderr[-2000:]
 
 
 def test_backend_refuses_weights_when_vllm_plugins_excludes_the_capture(monkeypatch) -> None:

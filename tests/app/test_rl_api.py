@@ -163,3 +163,13 @@ async def test_rl_calls_count_in_metrics(svc: App, path: str, tmp_path: Path) ->
     await svc.http.post(path, json=body)
     op = path.strip("/").replace("reload_weights", "reload")
     assert await svc.metric(f'routereplay_rl_operations_total{{op="{op}",status="ok"}}') == 1
+
+
+async def test_without_a_weights_root_no_file_loads(redis_url: str, tmp_path: Path) -> None:
+    (tmp_path / "step-1").mkdir()
+    async with running_app(redis_url, unsafe_no_auth=True) as svc:
+        r = await svc.http.post("/reload_weights", json={"weights_path": str(tmp_path / "step-1")})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "weight_loads_disabled", r.text
+        assert "--weights-root" in err["message"]
+        assert (await svc.http.get("/weight_info")).json() == {"weight_version": "default"}

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+import routereplay_test_hold as _test_hold
 
-from routereplay.service import _test_hold
 from routereplay.service.cli import ENGINE_DEAD_EXIT
 
 from engines import MODEL_NAME, engine_core_pids, start_service

@@ -7,7 +7,7 @@ service's ``/metrics`` beside ``routereplay_*``, with values that match what the
 
 One service for the module, with API keys (``/metrics`` needs one) and prometheus_client's
 multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``); its engine prefills 32 tokens a step and runs
-the scheduler's test hold (``service/_test_hold.py``), which keeps a request in the phase its
+the scheduler's test hold (``tests/plugins/vllm_test_hold``), which keeps a request in the phase its
 client leaves in. The pytest session's service shows the engine metrics without multiprocess mode.
 """
 
@@ -24,10 +24,9 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+import routereplay_test_hold as _test_hold
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
-
-from routereplay.service import _test_hold
 
 from engines import MODEL_NAME, Service, start_service
 

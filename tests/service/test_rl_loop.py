@@ -186,8 +186,8 @@ def test_a_reload_without_pause_freezes_running_requests(rl, rl_service: RLServi
 
 
 def test_without_the_hold_variable_no_request_is_held(service: Service) -> None:
-    """The session's default service runs without ROUTEREPLAY_TEST_HOLD_DIR, like every
-    deployment: a request named like a held one runs to its end."""
+    """The session's default service runs without RR_TEST_HOLD_DIR: a request named like a
+    held one runs to its end."""
     with httpx.Client(base_url=service.url, timeout=120) as c:
         choice = complete(c, service, "not held", "held-never", max_tokens=12)
     assert len(choice["token_ids"]) == 12 and choice["routed_experts"]["status"] == "stored"

@@ -22,10 +22,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import routereplay_test_hold as _test_hold
 
 from routereplay.client import RouteNotFoundError, RoutesClient, RouteStore, decode_record
 from routereplay.local_redis import redis_cluster
-from routereplay.service import _test_hold
 from routereplay.trainer_adapter import gather_targets, sample_from_record, thd_position_map
 
 from engines import MODEL_NAME, Service, service_spec, start_services
@@ -53,7 +53,7 @@ class Replicas:
 def replicas(
     cluster_url: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Replicas]:
-    """Replicas A and B, with the scheduler's test hold (``service/_test_hold.py``)."""
+    """Replicas A and B, with the scheduler's test hold (``tests/plugins/vllm_test_hold``)."""
     flags = ("--route-prefix", "so", "--request-id-lease-s", str(LEASE_S))
     hold = tmp_path_factory.mktemp("hold")
     env = {_test_hold.ENV: str(hold)}

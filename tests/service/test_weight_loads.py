@@ -20,6 +20,7 @@ import pytest
 
 from routereplay.bench.servers import engine_env
 
+from engines import MODEL_NAME as MODEL
 from engines import RLService, Service
 
 pytestmark = pytest.mark.vllm
@@ -132,16 +133,18 @@ def test_every_bad_load_is_a_400_and_the_old_weights_keep_serving(
         assert proc.poll() is None
 
 
-def test_a_service_without_weights_root_loads_no_files(
-    http: httpx.Client, tiny_model: Path
-) -> None:
-    """The pytest session's service runs without --weights-root: even its own model is refused."""
-    version = http.get("/weight_info").json()
-    r = http.post("/reload_weights", json={"weights_path": str(tiny_model)})
-    err = r.json()["error"]
-    assert r.status_code == 400 and err["code"] == "weight_loads_disabled", r.text
-    assert "--weights-root" in err["message"]
-    assert http.get("/weight_info").json() == version
+def test_the_embedded_default_keeps_the_rl_api_closed(http: httpx.Client, tiny_model: Path) -> None:
+    """The pytest session's service is the README's command: no keys, no --weights-root. No
+    call may load weights or pause it, and it serves on."""
+    calls = [("POST", "/reload_weights", {"weights_path": str(tiny_model)}),
+             ("POST", "/pause", None), ("GET", "/weight_info", None)]  # fmt: skip
+    for method, path, body in calls:
+        r = http.request(method, path, json=body)
+        err = r.json()["error"]
+        assert (r.status_code, err["code"]) == (403, "permission_denied"), (path, r.text)
+        assert "--admin-keys" in err["message"]
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "still", "max_tokens": 2})
+    assert r.status_code == 200, r.text
 
 
 def test_a_load_failing_in_the_engine_restores_the_last_good_weights_or_stops(

@@ -1,16 +1,20 @@
 """A test-only hold in vLLM's scheduler: a request parked at a step boundary until released.
 
+A vLLM plugin of its own distribution (``pyproject.toml`` beside this file), which
+``scripts/setup.sh`` installs for the test suite only; routereplay's wheel and images do not
+contain it.
+
 Tests that need a request in flight across ``/pause``, a weight reload or a version change would
 otherwise start a generation long enough to outlast them (tens of seconds on a CPU host), and a
 test that must leave during prefill would race the engine to the prompt's end. With
-``ROUTEREPLAY_TEST_HOLD_DIR`` set in the engine's environment, a request whose id starts with
+``RR_TEST_HOLD_DIR`` set in the engine's environment, a request whose id starts with
 ``held-`` is left out of the scheduler's batch once it has :data:`HOLD_AFTER` output tokens; one
 whose id starts with ``held-prefill-`` is left out after its first chunk of prompt, before any
 output. It stays in the running set with its KV cache, and it runs on from the next step after a
 file named by its id (the ``X-Request-Id``, up to its first ``.``) exists in that directory.
 
-Unset, which is every deployment, nothing is patched. :func:`maybe_install` runs in each vLLM
-process through the capture plugin; only the engine core's scheduler ever holds anything.
+Unset, nothing is patched. :func:`maybe_install` runs in each vLLM process as a plugin; only the
+engine core's scheduler ever holds anything.
 """
 
 from __future__ import annotations
@@ -23,9 +27,9 @@ from typing import Any
 
 __all__ = ["ENV", "HOLD_AFTER", "PREFILL_PREFIX", "PREFIX", "maybe_install"]
 
-log = logging.getLogger("routereplay.service")
+log = logging.getLogger("routereplay.tests")
 
-ENV = "ROUTEREPLAY_TEST_HOLD_DIR"
+ENV = "RR_TEST_HOLD_DIR"  # not a ROUTEREPLAY_* setting: no deployment knows this name
 PREFIX = "held-"
 PREFILL_PREFIX = PREFIX + "prefill-"  # parked mid-prefill (a prompt longer than one chunk)
 HOLD_AFTER = 4  # output tokens streamed before the hold: enough for a test to see it started
