@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -108,6 +109,11 @@ def _redis_errors(where: str) -> Iterator[None]:
         raise RouteStoreError(
             f"redis {where} refused a command ({type(exc).__name__}): {first[:200]}"
         ) from exc
+
+
+# How long a server found unsupported stays refused without a new ``INFO`` (an upgrade in place
+# is seen within this; a lost connection checks again at once).
+REFUSAL_CACHE_S = 5.0
 
 
 def redis_versions(info: Any) -> list[str]:
@@ -327,8 +333,11 @@ class _Common:
         self.limits = limits or DEFAULT_LIMITS
         self._decoder = DecodePool(self.decode_threads)
         self._where = where or repr(client)
-        # Set by the first successful server check (check_server, or the first operation).
+        # Set by the first successful server check (check_server, or the first operation);
+        # None again after a lost connection: what answers next may be another server.
         self.server_versions: list[str] | None = None
+        # A server found unsupported, and until when that answer stands without asking again.
+        self._refused: tuple[str, float] | None = None
         self._closed = False
 
     @contextlib.contextmanager
@@ -337,8 +346,21 @@ class _Common:
         new connections), redis-py's errors as the store's."""
         if self._closed:
             raise RouteStoreError(f"redis {self._where}: the store is closed")
-        with _redis_errors(self._where):
-            yield
+        try:
+            with _redis_errors(self._where):
+                yield
+        except RouteConnectionError:
+            # Redis may come back as another server (a restart onto another image, a failover
+            # to a replica of another release): check it again before the next operation.
+            self.server_versions = None
+            self._refused = None
+            raise
+
+    def _cached_refusal(self) -> None:
+        """Raise the last server check's refusal while it is fresh (``REFUSAL_CACHE_S``), so a
+        store on an unsupported Redis does not ask ``INFO`` again for every operation."""
+        if self._refused is not None and time.monotonic() < self._refused[1]:
+            raise UnsupportedRedisError(self._refused[0])
 
     def _decode_pool(self) -> ThreadPoolExecutor | None:
         return self._decoder.get()
@@ -444,7 +466,12 @@ class _Common:
         if info is None:
             self.server_versions = []  # an ACL without INFO: a write then says what failed
             return []
-        check_redis_versions(versions := redis_versions(info), self._where)
+        try:
+            check_redis_versions(versions := redis_versions(info), self._where)
+        except UnsupportedRedisError as e:
+            self._refused = (str(e), time.monotonic() + REFUSAL_CACHE_S)
+            raise
+        self._refused = None
         self.server_versions = versions
         return versions
 
@@ -490,6 +517,7 @@ class RouteStore(_Common):
 
     def _run(self, op: Op) -> Any:
         if self.server_versions is None:
+            self._cached_refusal()
             self.check_server()
         with self._guard():
             try:
@@ -612,6 +640,7 @@ class AsyncRouteStore(_Common):
                 return True, done.value
 
         if self.server_versions is None:
+            self._cached_refusal()
             await self.check_server()
         with self._guard():
             value: Any = None
@@ -654,8 +683,12 @@ class AsyncRouteStore(_Common):
             return sum(await self._pipe([_cmd("delete", k) for k in keys]).execute())
 
     async def check_writable(self) -> None:
-        """Raise unless Redis takes a write now (a 10 s scratch key): PING answers while
-        ``maxmemory`` refuses every write, or a replica is read-only."""
+        """Raise unless Redis takes the store's writes now: a supported server (checked as
+        before an operation) that takes a 10 s scratch key. PING answers while ``maxmemory``
+        refuses every write, or a replica is read-only."""
+        if self.server_versions is None:
+            self._cached_refusal()
+            await self.check_server()
         with self._guard():
             await self.redis.set(self.keys.probe(), b"1", px=10_000)
 

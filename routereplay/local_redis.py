@@ -102,15 +102,18 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 @contextlib.contextmanager
-def redis_server(maxmemory: str | None = None, binary: str | None = None) -> Iterator[str]:
-    """A standalone redis-server (``binary``, default the one on PATH); yields its URL.
+def redis_server(
+    maxmemory: str | None = None, binary: str | None = None, port: int | None = None
+) -> Iterator[str]:
+    """A standalone redis-server (``binary``, default the one on PATH) on ``port`` (default: a
+    free one); yields its URL.
 
     ``maxmemory`` (e.g. ``"2gb"``) caps it and evicts the keys nearest their TTL first, so a
     long-running embedded service cannot grow without bound.
     """
     extra = ["--maxmemory", maxmemory, "--maxmemory-policy", "volatile-ttl"] if maxmemory else []
     with tempfile.TemporaryDirectory(prefix="rr-redis-") as d:
-        port = free_port()
+        port = port or free_port()
         proc = _start(port, Path(d), *extra, binary=binary)
         try:
             yield f"redis://127.0.0.1:{port}/0"

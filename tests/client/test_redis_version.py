@@ -24,6 +24,7 @@ from routereplay.client import (
     RouteStore,
     UnsupportedRedisError,
 )
+from routereplay.client._store import REFUSAL_CACHE_S
 from routereplay.local_redis import free_port, redis_server
 
 
@@ -112,5 +113,57 @@ def test_a_burst_beyond_the_connection_pool_waits_instead_of_failing(redis_url: 
             assert errors == []
             got = await store.get_many([f"r-{i}" for i in range(0, 600, 37)])
             assert all(g == rec for g in got)
+
+    asyncio.run(main())
+
+
+def _info_calls(url: str) -> int:
+    import redis
+
+    with redis.Redis.from_url(url) as r:
+        return int(r.info("commandstats").get("cmdstat_info", {}).get("calls", 0))
+
+
+def test_a_redis_that_comes_up_unsupported_is_refused_and_reported(tmp_path: Path) -> None:
+    """Unreachable at start, then a Redis 6.2 on that address (a restart onto another image):
+    /ready says so with the version, every write is refused by the cached check (no INFO per
+    operation), and a Redis 7 that replaces it is taken once the check is due again."""
+    import httpx
+
+    from routereplay.service import Settings, create_app
+
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+
+    async def ready(http: httpx.AsyncClient) -> tuple[int, dict]:
+        r = await http.get("/ready")
+        return r.status_code, r.json()
+
+    async def main() -> None:
+        app = create_app(Settings(redis_url=url, backend="synthetic", route_prefix="late"))
+        transport = httpx.ASGITransport(app=app)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=transport, base_url="http://t") as http,
+        ):
+            code, body = await ready(http)
+            assert code == 503 and "redis" in body, body
+            with redis_server(binary=_redis62_binary(), port=port):
+                code, body = await ready(http)
+                assert code == 503 and "is Redis 6.2." in body["redis"], body
+                before = _info_calls(url)
+                for i in range(20):
+                    r = await http.post("/v1/completions", json={
+                        "model": "synthetic-moe", "prompt": f"p{i}", "max_tokens": 2})  # fmt: skip
+                    handle = r.json()["choices"][0]["routed_experts"]
+                    assert handle["status"] == "failed", handle
+                assert (await ready(http))[0] == 503
+                assert _info_calls(url) - before == 1  # this count's own INFO: none by the store
+            with redis_server(port=port):
+                await asyncio.sleep(REFUSAL_CACHE_S)
+                assert await ready(http) == (200, {"status": "ready"})
+                r = await http.post("/v1/completions", json={
+                    "model": "synthetic-moe", "prompt": "now", "max_tokens": 2})  # fmt: skip
+                assert r.json()["choices"][0]["routed_experts"]["status"] == "stored"
 
     asyncio.run(main())
