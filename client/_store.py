@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -51,6 +52,7 @@ __all__ = ["MIN_REDIS_VERSION", "AsyncRouteStore", "RouteStore", "redis_versions
 
 # Connections a store opens to one Redis server at most (Redis's own limit is 10,000 clients).
 MAX_CONNECTIONS = 512
+_RESERVED_CONNECTIONS = 16  # of a cluster node's pool: for commands outside store operations
 
 # The oldest Redis the store runs on: a put extends shared chunks' TTLs with EXPIRE ... GT (7.0).
 MIN_REDIS_VERSION = (7, 0)
@@ -155,6 +157,16 @@ def _version_key(version: str) -> tuple[int, ...]:
 # Compare-and-delete: release a lease only if this holder's token still holds it.
 _RELEASE = (
     "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+)
+
+# Take a free lease, or confirm one this token already holds: a claim retried after its reply
+# was lost (the connection's Retry) finds its own token and succeeds, instead of reading as a
+# conflict with itself.
+_CLAIM = (
+    "local held = redis.call('get', KEYS[1]) "
+    "if held == ARGV[1] then redis.call('pexpire', KEYS[1], ARGV[2]) return 1 end "
+    "if held then return 0 end "
+    "redis.call('set', KEYS[1], ARGV[1], 'px', ARGV[2]) return 1"
 )
 
 # Compare-and-extend: keep a lease alive only while this holder's token still holds it.
@@ -314,11 +326,14 @@ class _Common:
         decode_threads: int | None = None,
         limits: ReadLimits | None = None,
         where: str = "",
+        max_operations: int | None = None,
     ) -> None:
         """``decode_threads``: threads that decode a read's chunks (default
         :func:`default_decode_threads`; 1 decodes on the calling thread). ``limits``: what one
         record may declare before a read allocates it (default :class:`ReadLimits`); a larger
-        record is that id's :class:`RouteLimitError`."""
+        record is that id's :class:`RouteLimitError`. ``max_operations``: operations in flight
+        at once, the others wait (a cluster client's per-node pools raise past their size
+        instead of waiting; ``from_url`` sets it for a cluster)."""
         if ttl_s < 1:
             raise ValueError(f"ttl_s must be >= 1, got {ttl_s}")
         if block_size < 1:
@@ -338,6 +353,7 @@ class _Common:
         self.server_versions: list[str] | None = None
         # A server found unsupported, and until when that answer stands without asking again.
         self._refused: tuple[str, float] | None = None
+        self._slots = None if max_operations is None else self._slots_class(max_operations)
         self._closed = False
 
     @contextlib.contextmanager
@@ -416,8 +432,14 @@ class _Common:
         """
         url, is_cluster = _split_url(url, cluster)
         kwargs = {**cls._connection_defaults(), **redis_kwargs}
+        max_operations = None
         if is_cluster:
             client = cls._clients[1].from_url(url, **kwargs)
+            # An operation holds at most one connection per node: this many in flight never
+            # exhaust a node's pool, which would raise "Too many connections" rather than wait.
+            # The rest of the pool is left to the single commands (leases, probes).
+            cap = int(kwargs["max_connections"])
+            max_operations = max(1, cap - min(_RESERVED_CONNECTIONS, cap // 2))
         else:
             # A burst beyond the pool waits for a free connection (up to the socket timeout)
             # instead of failing: redis-py's plain pool raises "Too many connections" past its
@@ -429,6 +451,7 @@ class _Common:
         return cls(
             client, prefix=prefix, ttl_s=ttl_s, block_size=block_size,
             decode_threads=decode_threads, limits=limits, where=url,
+            max_operations=max_operations,
         )  # fmt: skip
 
     def _pipe(self, batch: list[Command]) -> Any:
@@ -515,7 +538,15 @@ class RouteStore(_Common):
             info = _acl_denied(e)
         return self._record_versions(info)
 
+    _slots_class = threading.BoundedSemaphore
+
     def _run(self, op: Op) -> Any:
+        if self._slots is None:
+            return self._run_now(op)
+        with self._slots:
+            return self._run_now(op)
+
+    def _run_now(self, op: Op) -> Any:
         if self.server_versions is None:
             self._cached_refusal()
             self.check_server()
@@ -629,7 +660,15 @@ class AsyncRouteStore(_Common):
             info = _acl_denied(e)
         return self._record_versions(info)
 
+    _slots_class = asyncio.Semaphore
+
     async def _run(self, op: Op, big: bool = False) -> Any:
+        if self._slots is None:
+            return await self._run_now(op, big)
+        async with self._slots:
+            return await self._run_now(op, big)
+
+    async def _run_now(self, op: Op, big: bool = False) -> Any:
         # The operation's CPU work (encoding, decoding) runs between yields, i.e. inside send():
         # for big records that step goes to a worker thread. StopIteration cannot cross a
         # coroutine or a thread, so advance() turns it into a plain return value.
@@ -655,11 +694,12 @@ class AsyncRouteStore(_Common):
             return bool(await self.redis.ping())
 
     async def claim(self, name: str, token: str, ttl_s: float) -> bool:
-        """Take the lease on ``name`` for ``ttl_s`` unless another holder has it (``SET NX PX``):
-        the same name claimed through any replica sharing this Redis is refused."""
+        """Take the lease on ``name`` for ``ttl_s`` unless another holder has it: the same name
+        claimed through any replica sharing this Redis is refused. Idempotent for one
+        ``token`` (a retried claim whose first reply was lost holds the lease)."""
         with self._guard():
             key = self.keys.claim(name)
-            return bool(await self.redis.set(key, token, nx=True, px=int(ttl_s * 1000)))
+            return bool(await self.redis.eval(_CLAIM, 1, key, token, int(ttl_s * 1000)))
 
     async def release(self, name: str, token: str) -> bool:
         """Give the lease back if ``token`` still holds it (a lapsed lease another writer took

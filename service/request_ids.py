@@ -3,10 +3,10 @@
 Route ids are ``f"{request_id}-{choice}"``, so the request id decides where a generation's routes
 land. Two concurrent requests with one client-chosen id (a client that timed out and retried while
 the first still runs) would overwrite each other's routes, and a response's handle could name the
-other generation's record: the second gets 409. The claim is a lease in Redis (``SET NX PX``), so
-it holds across every replica that shares the store; a retry after the first finished reuses the
-id and overwrites its routes (idempotent retries), and routes of the earlier generation that the
-new one does not overwrite (it asked for fewer choices) are deleted.
+other generation's record: the second gets 409. The claim is a lease in Redis (set when free,
+by a script), so it holds across every replica that shares the store; a retry after the first
+finished reuses the id and overwrites its routes (idempotent retries), and routes of the earlier
+generation that the new one does not overwrite (it asked for fewer choices) are deleted.
 
 Leases are short (``--request-id-lease-s``, 30 s) and renewed while their request runs: when a
 replica dies mid-request, the ids it held are free again within one lease, so a client's retry

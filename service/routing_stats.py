@@ -158,6 +158,8 @@ class RoutingStats:
         self._queued_bytes = 0
         self._bytes_lock = threading.Lock()
         self._thread: threading.Thread | None = None  # started by the first observe
+        self._closed = False
+        self.skipped_closed = 0  # records stored after close(): nothing counts them any more
 
     # -- capture side ----------------------------------------------------------------------
     @property
@@ -167,7 +169,11 @@ class RoutingStats:
 
     def observe(self, record: RouteRecord) -> None:
         """Queue a stored record's expert ids, valid rows and spans to be counted; never
-        blocks, never copies the arrays."""
+        blocks, never copies the arrays. After :meth:`close` a record is only counted as
+        skipped: a late store must not start a worker nobody will stop."""
+        if self._closed:
+            self.skipped_closed += 1
+            return
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="routing-stats", daemon=True)
             self._thread.start()
@@ -182,6 +188,7 @@ class RoutingStats:
     def close(self) -> None:
         """Count what is queued, then stop the worker; waits up to 5 s for it (from a
         coroutine, await :meth:`aclose` instead)."""
+        self._closed = True
         thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)
@@ -291,11 +298,13 @@ class RoutingStats:
         skipped = CounterMetricFamily(
             "routereplay_routing_stats_skipped",
             "stored records the routing statistics left uncounted, in whole or in part: their "
-            "queue was full, or rows of a weight version older than the kept ones",
+            "queue was full, rows of a weight version older than the kept ones, or the "
+            "statistics were closed (shutdown)",
             labels=["reason"],
         )
         skipped.add_metric(["queue_full"], self.skipped)
         skipped.add_metric(["retired_version"], self.skipped_retired)
+        skipped.add_metric(["closed"], self.skipped_closed)
         yield skipped
         if experts is not None:
             fam = CounterMetricFamily(

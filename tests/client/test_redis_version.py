@@ -117,6 +117,34 @@ def test_a_burst_beyond_the_connection_pool_waits_instead_of_failing(redis_url: 
     asyncio.run(main())
 
 
+def test_a_burst_beyond_a_cluster_nodes_pool_waits_instead_of_failing(
+    redis_cluster_url: str,
+) -> None:
+    """A cluster client's node pools raise "Too many connections" past their size: the store
+    keeps its operations within it, so a burst waits. A pool of 8 here, 200 puts at once."""
+
+    async def main() -> None:
+        url = redis_cluster_url.replace("redis://", "redis+cluster://", 1)
+        prefix = f"cburst{free_port()}"
+        async with AsyncRouteStore.from_url(url, prefix=prefix, max_connections=8) as store:
+            rec = _record()
+            results = await asyncio.gather(
+                *(store.put(f"r-{i}", rec) for i in range(200)), return_exceptions=True
+            )
+            assert [r for r in results if isinstance(r, BaseException)] == []
+            got = await store.get_many([f"r-{i}" for i in range(0, 200, 17)])
+            assert all(g == rec for g in got)
+
+    asyncio.run(main())
+    with RouteStore.from_url(
+        redis_cluster_url, cluster=True, prefix=f"cb{free_port()}", max_connections=8
+    ) as store:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(32) as pool:
+            list(pool.map(lambda i: store.put(f"r-{i}", _record()), range(100)))
+
+
 def _info_calls(url: str) -> int:
     import redis
 

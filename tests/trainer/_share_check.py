@@ -120,6 +120,16 @@ def main() -> int:
     except KeyError as e:
         print(f"rank {rank} failure: source raised its own {e!r}")
         ok &= rank == src
+    try:
+        share_targets(None, group=group, src=src)  # the source forgot its prepare
+        print(f"rank {rank} no prepare: NOT RAISED")
+        ok = False
+    except TargetShareError as e:
+        print(f"rank {rank} no prepare: receiver raised")
+        ok &= rank != src and "must pass prepare" in str(e)
+    except ValueError:
+        print(f"rank {rank} no prepare: source raised")
+        ok &= rank == src
     dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1

@@ -1,7 +1,8 @@
 """share_targets on four CPU processes (gloo, two TP2 groups): each group prepares its step
 once, and every rank's targets equal, byte for byte, what gather_targets gives that rank on
 its own position map (sequence parallel off and on, uint16 ids, a replay mask); a source whose
-preparation fails makes every rank of its group raise, none waits."""
+preparation fails, or that passes no ``prepare``, makes every rank of its group raise, none
+waits."""
 
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ def test_four_ranks_two_groups_share_their_targets() -> None:
         "rank 1 failure: receiver raised" in report and "rank 3 failure: receiver raised" in report
     )
     assert "rank 0 failure: source raised" in report and "rank 2 failure: source raised" in report
+    # A source without prepare fails its group too, rather than leaving it waiting.
+    for r, who in ((0, "source"), (1, "receiver"), (2, "source"), (3, "receiver")):
+        assert f"rank {r} no prepare: {who} raised" in report, report
     # The SP slices hold half the rows each, the whole rows all of them.
     assert "rank 1 sp: same rows 64" in report and "rank 1 whole: same rows 128" in report
 

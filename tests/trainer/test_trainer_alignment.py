@@ -11,8 +11,10 @@ from routereplay.client import RouteRecord
 from routereplay.trainer_adapter import (
     NO_ROUTE,
     PositionMap,
+    ReplayTargets,
     RouteAlignmentError,
     RouteLayerMismatchError,
+    TargetShapeError,
     TokenMismatchError,
     cp_zigzag_index,
     filler_experts,
@@ -336,3 +338,17 @@ def test_pinned_targets_need_cuda_and_must_be_the_arrays_tensor(rng):
     # A rank with no rows: torch gives an empty tensor no address, numpy one; still accepted.
     empty = torch.empty(0, dtype=torch.uint8).view(len(MOE), 0, K)
     assert ReplayTargets(tg.layers, empty.numpy(), E, pinned=empty).num_tokens == 0
+
+
+@pytest.mark.parametrize("name", ["valid", "replay_mask"])
+@pytest.mark.parametrize(
+    "mask",
+    [np.ones(5, np.uint8), np.ones(4, bool), np.ones((6, 1), bool), np.ones(6, np.int64)],
+    ids=["uint8", "short", "2d", "int64"],
+)
+def test_row_masks_are_checked_where_the_targets_are_made(name: str, mask: np.ndarray) -> None:
+    """A wrong ``valid`` or ``replay_mask`` fails here, naming the field, not in a transport."""
+    experts = np.zeros((2, 6, 2), np.uint8)
+    with pytest.raises(TargetShapeError, match=rf"{name} must be \[N=6\] bool"):
+        ReplayTargets((0, 1), experts, 4, **{name: mask})
+    ReplayTargets((0, 1), experts, 4, **{name: np.ones(6, bool)})
