@@ -21,10 +21,10 @@ from ._errors import (
     RouteVersionError,
     UnsupportedRedisError,
 )
-from ._http import AsyncRoutesClient, RoutesClient
+from ._http import AsyncRoutesClient, RoutesClient, response_cap
 from ._keys import DEFAULT_BLOCK_SIZE, DEFAULT_TTL_S, KeySchema, validate_route_id
 from ._layout import PutResult, StoredRecord
-from ._limits import ReadLimits
+from ._limits import ReadLimits, decoded_bytes
 from ._load import UNKNOWN_VERSION, expert_counts, layer_counts, load_figures
 from ._record import RouteRecord, WeightSpan, expert_dtype
 from ._store import MIN_REDIS_VERSION, AsyncRouteStore, RouteStore
@@ -63,11 +63,13 @@ __all__ = [
     "UnsupportedRedisError",
     "WeightSpan",
     "decode_record",
+    "decoded_bytes",
     "default_decode_threads",
     "encode_record",
     "expert_counts",
     "expert_dtype",
     "layer_counts",
     "load_figures",
+    "response_cap",
     "validate_route_id",
 ]

@@ -24,6 +24,7 @@ from ._errors import (
     RouteConnectionError,
     RouteCorruptError,
     RouteError,
+    RouteLimitError,
     RouteNotFoundError,
     RouteServiceError,
 )
@@ -36,6 +37,32 @@ from ._threads import DecodePool, default_decode_threads
 __all__ = ["AsyncRoutesClient", "RoutesClient"]
 
 _DEFAULT_TIMEOUT = httpx.Timeout(30.0, connect=5.0)
+
+
+def response_cap(limits: ReadLimits) -> int:
+    """The most bytes a client reads of one response: one record at ``limits.max_bytes``
+    decoded, stored as compressed frames (zstd can grow incompressible bytes by under 1/128),
+    plus room for the framing. A service's batch responses stay far below (it defers ids past
+    its own cap, 64 MiB by default)."""
+    return limits.max_bytes + limits.max_bytes // 64 + (1 << 20)
+
+
+def _capped(resp: httpx.Response, body: bytes) -> httpx.Response:
+    return httpx.Response(resp.status_code, headers=resp.headers, content=body,
+                          request=resp.request)  # fmt: skip
+
+
+def _too_large(resp: httpx.Response, cap: int) -> RouteLimitError:
+    return RouteLimitError(
+        f"the response to {resp.request.method} {resp.request.url.path} is over this client's "
+        f"{cap} bytes (ReadLimits(max_bytes=...) raises it); nothing past that was read"
+    )
+
+
+def _declared(resp: httpx.Response, cap: int) -> None:
+    length = resp.headers.get("content-length", "")
+    if length.isdigit() and int(length) > cap:
+        raise _too_large(resp, cap)
 
 
 def _with_key(headers: dict[str, str] | None, api_key: str | None) -> dict[str, str]:
@@ -152,7 +179,8 @@ class RoutesClient:
         """``decode_threads``: threads that decode a batch's chunks (default
         :func:`default_decode_threads`; 1 decodes on the calling thread). ``limits``: what one
         record may declare before it is allocated (default :class:`ReadLimits`); a larger one
-        is that id's :class:`RouteLimitError`."""
+        is that id's :class:`RouteLimitError`, and no response is read past
+        :func:`response_cap` of them (4.06 GiB by default)."""
         self._decoder = DecodePool(decode_threads or default_decode_threads())
         self.limits = limits or DEFAULT_LIMITS
         self._http = httpx.Client(
@@ -163,10 +191,19 @@ class RoutesClient:
         )
 
     def _send(self, method: str, url: str, **kw: Any) -> httpx.Response:
+        """The response, its body read up to :func:`response_cap` (RouteLimitError past it)."""
+        cap = response_cap(self.limits)
         try:
-            return self._http.request(method, url, **kw)
+            with self._http.stream(method, url, **kw) as resp:
+                _declared(resp, cap)
+                body = bytearray()
+                for part in resp.iter_bytes():
+                    body += part
+                    if len(body) > cap:
+                        raise _too_large(resp, cap)
         except httpx.TransportError as exc:
             raise RouteConnectionError(f"routereplay service {self._http.base_url}: {exc}") from exc
+        return _capped(resp, bytes(body))
 
     def get(self, route_id: str, *, start: int = 0) -> RouteRecord:
         """The record for ``route_id``, rows ``start..T``."""
@@ -228,10 +265,19 @@ class AsyncRoutesClient:
         )
 
     async def _send(self, method: str, url: str, **kw: Any) -> httpx.Response:
+        """See :meth:`RoutesClient._send`."""
+        cap = response_cap(self.limits)
         try:
-            return await self._http.request(method, url, **kw)
+            async with self._http.stream(method, url, **kw) as resp:
+                _declared(resp, cap)
+                body = bytearray()
+                async for part in resp.aiter_bytes():
+                    body += part
+                    if len(body) > cap:
+                        raise _too_large(resp, cap)
         except httpx.TransportError as exc:
             raise RouteConnectionError(f"routereplay service {self._http.base_url}: {exc}") from exc
+        return _capped(resp, bytes(body))
 
     async def get(self, route_id: str, *, start: int = 0) -> RouteRecord:
         """See :meth:`RoutesClient.get`."""

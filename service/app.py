@@ -16,7 +16,13 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from routereplay.client import AsyncRouteStore, RouteConnectionError, UnsupportedRedisError
+from routereplay.client import (
+    AsyncRouteStore,
+    ReadLimits,
+    RouteConnectionError,
+    UnsupportedRedisError,
+    decoded_bytes,
+)
 
 from .auth import KeyRing
 from .clock import Clock, SystemClock
@@ -24,6 +30,7 @@ from .engine import EngineBackend
 from .errors import StartupRefused, install_error_handlers, redact
 from .http_limits import BodySizeLimit
 from .metrics import ServiceMetrics
+from .model_info import ModelInfo
 from .routers import ROUTERS
 from .settings import Settings
 from .state import ServiceState
@@ -124,6 +131,15 @@ def _open_store(settings: Settings, stack: contextlib.AsyncExitStack) -> AsyncRo
     return st
 
 
+def read_limits(info: ModelInfo, weights: bool) -> ReadLimits:
+    """What the service lets one stored record declare before it decodes it: no record it
+    writes is longer than its engine's context or wider than its routing layout, so bytes in
+    Redis that declare more (a crafted chunk decodes to gigabytes) are refused unread."""
+    rows = info.max_model_len
+    size = decoded_bytes(rows, len(info.moe_layers), info.top_k, info.num_experts, weights)
+    return ReadLimits(max_rows=rows, max_bytes=size)
+
+
 async def _start_backend(settings: Settings, stack: contextlib.AsyncExitStack) -> EngineBackend:
     """The backend ``settings`` select, started, closed by ``stack``."""
     be = make_backend(settings)
@@ -206,6 +222,7 @@ def create_app(
             st = store if store is not None else _open_store(settings, stack)
             await _check_redis(st)
             be = backend if backend is not None else await _start_backend(settings, stack)
+            st.limits = read_limits(be.info, settings.route_weights != "off")
             metrics.bind_queue_depth(be.num_unfinished)
             metrics.bind_engine(be.engine_metrics())
             app.state.service = ServiceState.build(settings, metrics, be, st, clock)
