@@ -15,9 +15,10 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["free_port", "redis_cluster", "redis_server"]
+__all__ = ["ClusterNodes", "free_port", "redis_cluster", "redis_cluster_nodes", "redis_server"]
 
 
 def free_port() -> int:
@@ -121,51 +122,88 @@ def redis_server(
             _stop([proc])
 
 
+@dataclass
+class ClusterNodes:
+    """A running local Redis Cluster: one node's URL and every node's process, by port."""
+
+    url: str
+    procs: dict[int, subprocess.Popen]
+
+    def masters(self) -> list[int]:
+        """Ports of the nodes that are masters now, as a live node sees the cluster."""
+        for port, proc in self.procs.items():
+            if proc.poll() is not None:
+                continue
+            out = subprocess.run([_binary("redis-cli"), "-p", str(port), "cluster", "nodes"],
+                                 capture_output=True, text=True, timeout=10).stdout  # fmt: skip
+            return sorted(
+                int(f[1].split("@")[0].rsplit(":", 1)[1])
+                for f in (line.split() for line in out.splitlines())
+                if len(f) > 2 and "master" in f[2] and "fail" not in f[2]
+            )
+        return []
+
+    def wait_ok(self, timeout: float = 60.0) -> None:
+        """Return once every live node reports ``cluster_state:ok`` (after a failover: the
+        replica promoted)."""
+        live = [p for p, proc in self.procs.items() if proc.poll() is None]
+        _wait_cluster_ok(live, timeout)
+
+
 @contextlib.contextmanager
 def redis_cluster(masters: int = 3) -> Iterator[str]:
     """A Redis Cluster of ``masters`` masters (no replicas) on loopback; yields one node's URL."""
+    with redis_cluster_nodes(masters) as cluster:
+        yield cluster.url
+
+
+@contextlib.contextmanager
+def redis_cluster_nodes(
+    masters: int = 3, replicas: int = 0, node_timeout_ms: int = 5000
+) -> Iterator[ClusterNodes]:
+    """A Redis Cluster of ``masters`` masters with ``replicas`` replicas each on loopback; a
+    replica is promoted ``node_timeout_ms`` or so after its master stops answering."""
+    n = masters * (1 + replicas)
     with tempfile.TemporaryDirectory(prefix="rr-cluster-") as d:
         ports: list[int] = []
-        while len(ports) < masters:
+        while len(ports) < n:
             p = _cluster_port()
             if p not in ports:
                 ports.append(p)
-        procs: list[subprocess.Popen] = []
+        procs: dict[int, subprocess.Popen] = {}
         try:
             for p in ports:
                 wd = Path(d) / str(p)
                 wd.mkdir()
-                procs.append(
-                    _start(
-                        p,
-                        wd,
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        "nodes.conf",
-                        "--cluster-node-timeout",
-                        "5000",
-                    )
-                )
+                # A replica's first sync starts at once (Redis waits 5 s for more replicas).
+                flags = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                         "--cluster-node-timeout", str(node_timeout_ms),
+                         "--repl-diskless-sync-delay", "0"]  # fmt: skip
+                procs[p] = _start(p, wd, *flags)
             subprocess.run(
-                [
-                    _binary("redis-cli"),
-                    "--cluster",
-                    "create",
-                    *[f"127.0.0.1:{p}" for p in ports],
-                    "--cluster-replicas",
-                    "0",
-                    "--cluster-yes",
-                ],
-                check=True,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.STDOUT,
-                timeout=60,
-            )
+                [_binary("redis-cli"), "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                 "--cluster-replicas", str(replicas), "--cluster-yes"],
+                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=60,
+            )  # fmt: skip
             _wait_cluster_ok(ports)
-            yield f"redis://127.0.0.1:{ports[0]}/0"
+            cluster = ClusterNodes(f"redis://127.0.0.1:{ports[0]}/0", procs)
+            # A replica that never synced is not promoted: wait until each one has.
+            _wait_replicas_synced([p for p in ports if p not in cluster.masters()])
+            yield cluster
         finally:
-            _stop(procs)
+            _stop(list(procs.values()))
+
+
+def _wait_replicas_synced(ports: list[int], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    cli = _binary("redis-cli")
+    while time.monotonic() < deadline:
+        infos = [subprocess.run([cli, "-p", str(p), "info", "replication"], capture_output=True,
+                                text=True).stdout for p in ports]  # fmt: skip
+        if all("master_link_status:up" in info for info in infos):
+            return
+        time.sleep(0.1)
+    raise RuntimeError("redis cluster replicas did not sync with their masters")
 
 
 def _wait_cluster_ok(ports: list[int], timeout: float = 30.0) -> None:
