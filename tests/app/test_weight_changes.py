@@ -59,8 +59,12 @@ def root(tmp_path: Path) -> Path:
     return tmp_path / "root"
 
 
-def hold_load(engine: RecordingEngine) -> tuple[asyncio.Event, asyncio.Event]:
-    """(entered, release): the engine's read of a checkpoint waits for ``release``."""
+async def held_load(
+    rl: _VllmRL, engine: RecordingEngine, root: Path
+) -> tuple[Path, asyncio.Task, asyncio.Event]:
+    """A load of ``root/step-1`` under way: (its checkpoint, its caller's task, the event that
+    lets the engine's read of it end)."""
+    ckpt = write_checkpoint(root / "step-1")
     entered, release = asyncio.Event(), asyncio.Event()
 
     async def during(path: Path) -> None:
@@ -68,16 +72,15 @@ def hold_load(engine: RecordingEngine) -> tuple[asyncio.Event, asyncio.Event]:
         await release.wait()
 
     engine.during_load = during
-    return entered, release
+    caller = asyncio.create_task(rl.reload_weights(ckpt, "step-1", root))
+    await asyncio.wait_for(entered.wait(), 10)
+    return ckpt, caller, release
 
 
 async def test_state_changes_wait_for_a_running_load(
     rl: _VllmRL, engine: TransferEngine, root: Path
 ) -> None:
-    ckpt = write_checkpoint(root / "step-1")
-    entered, release = hold_load(engine)
-    load = asyncio.create_task(rl.reload_weights(ckpt, "step-1", root))
-    await asyncio.wait_for(entered.wait(), 10)
+    _, load, release = await held_load(rl, engine, root)
     others = [
         asyncio.create_task(rl.resume()),
         asyncio.create_task(rl.update_weight_version("relabel")),
@@ -152,10 +155,7 @@ async def test_requests_not_started_are_taken_back_before_generation_resumes(
 async def test_a_caller_whose_load_timed_out_learns_how_it_ended(
     rl: _VllmRL, engine: TransferEngine, root: Path
 ) -> None:
-    ckpt = write_checkpoint(root / "step-1")
-    entered, release = hold_load(engine)
-    caller = asyncio.create_task(rl.reload_weights(ckpt, "step-1", root))
-    await asyncio.wait_for(entered.wait(), 10)
+    ckpt, caller, release = await held_load(rl, engine, root)
     caller.cancel()  # its HTTP client gave up
     status = rl.weight_update_status()
     assert status["running"]["op"] == "reload_weights", status
