@@ -443,8 +443,7 @@ class _Common:
         else:
             # A burst beyond the pool waits for a free connection (up to the socket timeout)
             # instead of failing: redis-py's plain pool raises "Too many connections" past its
-            # limit (100 by default since redis-py 6), which failed route writes at a
-            # concurrency of 64 requests and more on a GPU engine.
+            # limit (100 by default since redis-py 6), failing whatever write came next.
             kwargs.setdefault("timeout", kwargs["socket_timeout"])
             pool = cls._blocking_pool.from_url(url, **kwargs)
             client = cls._clients[0].from_pool(pool)

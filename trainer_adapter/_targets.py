@@ -383,10 +383,9 @@ def gather_targets(
             allocator (needs an accelerator torch can pin for, such as CUDA), so that installing
             them on the GPU is an asynchronous copy with nothing left for the training thread
             to do (:attr:`ReplayTargets.pinned`). Use it where the targets are prepared ahead
-            (:class:`Prefetcher`): on an H200 host the install then took ~0.1 ms instead of
-            16-20 ms per 256k-token step (bench trainer --step-device cuda). The allocator also
-            reuses its blocks from step to step, so the output's pages are not faulted in
-            afresh.
+            (:class:`Prefetcher`); docs/benchmarks.md has the install's cost with and without
+            it. The allocator also reuses its blocks from step to step, so the output's pages
+            are not faulted in afresh.
         buffers: write the targets into memory recycled from earlier steps
             (:class:`TargetBuffers`), which is never memory that earlier targets still in use
             refer to. Without it (and without ``pin_memory``) the targets are fresh memory.
