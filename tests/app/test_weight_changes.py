@@ -161,7 +161,7 @@ async def test_a_caller_whose_load_timed_out_learns_how_it_ended(
     assert status["running"]["op"] == "reload_weights", status
     assert status["running"]["weights_path"] == str(ckpt) and status["last_weight_change"] is None
     release.set()
-    await asyncio.sleep(0.1)
+    await until(lambda: rl.weight_update_status()["running"] is None)
     status = rl.weight_update_status()
     last = status["last_weight_change"]
     assert status["running"] is None
@@ -202,12 +202,11 @@ def generation_request(salt: str | None = None) -> GenerationRequest:
     return GenerationRequest(SimpleNamespace(cache_salt=salt), "c", "c.ab12")  # type: ignore[arg-type]
 
 
-async def until(cond: Any) -> None:
-    for _ in range(1000):
-        if cond():
-            return
+async def until(cond: Any, timeout_s: float = 120.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met"
         await asyncio.sleep(0.005)
-    raise AssertionError("condition not met")
 
 
 @pytest.fixture()

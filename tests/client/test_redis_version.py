@@ -11,6 +11,7 @@ import asyncio
 import importlib.util
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -179,6 +180,7 @@ def test_a_redis_that_comes_up_unsupported_is_refused_and_reported(tmp_path: Pat
             with redis_server(binary=_redis62_binary(), port=port):
                 code, body = await ready(http)
                 assert code == 503 and "is Redis 6.2." in body["redis"], body
+                checked = time.monotonic()
                 before = _info_calls(url)
                 for i in range(20):
                     r = await http.post("/v1/completions", json={
@@ -186,7 +188,11 @@ def test_a_redis_that_comes_up_unsupported_is_refused_and_reported(tmp_path: Pat
                     handle = r.json()["choices"][0]["routed_experts"]
                     assert handle["status"] == "failed", handle
                 assert (await ready(http))[0] == 503
-                assert _info_calls(url) - before == 1  # this count's own INFO: none by the store
+                # The store asks again at most once per refusal window (the count's own INFO
+                # aside): not once per operation, whatever a loaded host makes this take.
+                windows = int((time.monotonic() - checked) / REFUSAL_CACHE_S) + 1
+                asked = _info_calls(url) - before - 1
+                assert asked <= windows, (asked, windows)
             with redis_server(port=port):
                 await asyncio.sleep(REFUSAL_CACHE_S)
                 assert await ready(http) == (200, {"status": "ready"})
