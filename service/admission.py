@@ -113,13 +113,10 @@ class Admission:
         self._tickets[engine_id] = ticket
         return ticket
 
-    def started(self, ticket: Ticket) -> bool:
-        """Mark ``ticket`` as having produced output; False if a weight change took it back
-        first (its output is then discarded and it is submitted again)."""
-        if ticket.retake.is_set():
-            return False
+    def started(self, ticket: Ticket) -> None:
+        """Mark ``ticket`` as having produced output: a later weight change leaves it be. The
+        caller checks ``ticket.retake`` first (a request taken back discards its output)."""
         ticket.started = True
-        return True
 
     def close(self, ticket: Ticket) -> None:
         """The engine request of ``ticket`` has ended (or was never made)."""
