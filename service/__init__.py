@@ -1,7 +1,7 @@
 """The OpenAI-compatible capture service: ``create_app(Settings(...))``, ``routereplay serve``.
 
-Names are resolved lazily: Triton imports ``routereplay.service._triton_cpu`` in every vLLM process
-on a CPU host, and that must not drag in FastAPI or the engine.
+Names are resolved lazily: Triton imports ``routereplay.service.vllm_patches.triton_cpu`` in
+every vLLM process on a CPU host, and that must not drag in FastAPI or the engine.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ log = logging.getLogger("routereplay.service")
 def make_backend(settings: Settings) -> EngineBackend:
     """The backend ``settings`` select (not started)."""
     if settings.backend == "upstream":
-        from .upstream import UpstreamBackend
+        from .engines.upstream import UpstreamBackend
 
         if not settings.upstream_url:
             raise ValueError("backend=upstream needs upstream_url (ROUTEREPLAY_UPSTREAM_URL)")
@@ -61,14 +61,14 @@ def make_backend(settings: Settings) -> EngineBackend:
             api_key=key.get_secret_value() if key is not None else None,
         )
     if settings.backend == "synthetic":
-        from .synthetic import SyntheticBackend
+        from .engines.synthetic import SyntheticBackend
 
         return SyntheticBackend(
             name=settings.served_model_name or "synthetic-moe",
             max_model_len=settings.max_model_len,
             route_weights=settings.route_weights,
         )
-    from .vllm_engine import VllmBackend
+    from .engines.vllm import VllmBackend
 
     model = settings.model
     dtype = settings.dtype

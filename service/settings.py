@@ -13,9 +13,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, SecretStr
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from .cpu_setup import omp_threads_bind
 from .env_settings import SettingsEnvSource
 from .key_entries import parse_key_entry
+from .vllm_patches.cpu_setup import omp_threads_bind
 
 __all__ = ["Settings"]
 

@@ -91,3 +91,28 @@ def test_client_ships_no_tooling() -> None:
             assert banned not in text, (
                 f"{f.name} contains {banned!r}: tooling belongs in routereplay/bench"
             )
+
+
+def _vllm_imports(path: Path) -> list[int]:
+    """Lines of ``path`` that import vLLM (``vllm`` or one of its modules)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+        names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if any(n == "vllm" or n.startswith("vllm.") for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_vllm_is_imported_only_in_its_rooms() -> None:
+    # What depends on vLLM is service/engines (its engine API) and service/vllm_patches (its
+    # internals): the HTTP layer, the capture and the settings run without it.
+    rooms = (ROOT / "service" / "engines", ROOT / "service" / "vllm_patches")
+    found = [
+        f"{f.relative_to(ROOT)}:{line}"
+        for f in sorted((ROOT / "service").rglob("*.py"))
+        if not any(f.is_relative_to(r) for r in rooms)
+        for line in _vllm_imports(f)
+    ]
+    assert not found, f"vLLM imported outside service/engines and service/vllm_patches: {found}"
+    assert _vllm_imports(ROOT / "service" / "engines" / "vllm.py")  # the check sees imports

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import httpx
 
-from routereplay.service.vllm_engine import engine_env as host_engine_env
-from routereplay.service.vllm_engine import on_cpu_host
+from routereplay.service.engines.vllm_host import engine_env as host_engine_env
+from routereplay.service.engines.vllm_host import on_cpu_host
 
 __all__ = [
     "Server", "engine_env", "launched", "server_process", "server_processes", "stop_process",

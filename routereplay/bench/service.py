@@ -59,7 +59,7 @@ STATS_OFF = "rr-stats-off"
 def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
     """Engine settings both servers get: batch limits set explicitly, since vLLM's defaults for
     them differ between its OpenAI server and an engine built in another process."""
-    from routereplay.service.vllm_engine import on_cpu_host
+    from routereplay.service.engines.vllm_host import on_cpu_host
 
     eager = on_cpu_host() if args.enforce_eager is None else args.enforce_eager
     return {"dtype": args.dtype, "max_model_len": args.max_model_len, "seed": 0,

@@ -552,8 +552,8 @@ def _rollouts(args: argparse.Namespace) -> list[dict[str, Any]]:
             for r in all_rollouts:
                 r["model"] = str(args.model_dir)
         return all_rollouts
+    from routereplay.service.engines.vllm_host import on_cpu_host
     from routereplay.service.tiny_model import VARIANTS, ensure_tiny_model
-    from routereplay.service.vllm_engine import on_cpu_host
 
     model = ensure_tiny_model(args.model) if args.model in VARIANTS else Path(args.model)
     dtypes = args.dtypes.split(",")

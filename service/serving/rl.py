@@ -16,8 +16,8 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..checkpoints import CheckpointError, resolve_checkpoint
 from ..engine import EngineBackend, PauseMode, RLControl
+from ..engines.checkpoints import CheckpointError, resolve_checkpoint
 from ..errors import EngineUnavailableError, InvalidRequestError, ServiceError
 from ..metrics import ServiceMetrics
 

@@ -27,7 +27,7 @@ from routereplay.client import AsyncRouteStore, RouteRecord, RouteStore
 from routereplay.local_redis import free_port
 from routereplay.service import Settings, create_app
 from routereplay.service.engine import ChoiceDelta, EngineEvent
-from routereplay.service.synthetic import SyntheticBackend, synthetic_routes
+from routereplay.service.engines.synthetic import SyntheticBackend, synthetic_routes
 
 MODEL = "synthetic-moe"
 BASE = "http://testserver"

@@ -1,6 +1,6 @@
 """The in-process backend's file-based weight load, over an engine that records its calls.
 
-``_VllmRL`` runs as in the service; the engine below answers the calls a load makes (pause,
+``VllmRL`` runs as in the service; the engine below answers the calls a load makes (pause,
 ``reload_weights`` through ``collective_rpc``, resume, the weight version) and lets a test act
 inside them: change a file right before the engine reads it, or while it reads, or hold a load
 open while its caller is cancelled. What vLLM's own loader does with the files is covered by
@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from routereplay.service.admission import Admission
-from routereplay.service.checkpoints import CheckpointError
-from routereplay.service.vllm_engine import _VllmRL
+from routereplay.service.engines.checkpoints import CheckpointError
+from routereplay.service.engines.vllm_rl import VllmRL
 
 
 class RecordingEngine:
@@ -116,12 +116,12 @@ def engine() -> RecordingEngine:
 
 
 @pytest.fixture()
-def rl(served: Path, engine: RecordingEngine) -> _VllmRL:
-    return _VllmRL(Backend(served, engine))  # type: ignore[arg-type]
+def rl(served: Path, engine: RecordingEngine) -> VllmRL:
+    return VllmRL(Backend(served, engine))  # type: ignore[arg-type]
 
 
 async def test_a_checked_load_reaches_the_engine(
-    rl: _VllmRL, engine: RecordingEngine, root: Path
+    rl: VllmRL, engine: RecordingEngine, root: Path
 ) -> None:
     ckpt = write_checkpoint(root / "step-1")
     await rl.reload_weights(ckpt, "step-1", root)
@@ -133,7 +133,7 @@ async def test_a_checked_load_reaches_the_engine(
 
 @pytest.mark.parametrize("entry", ["./model.safetensors", "sub/model.safetensors"])
 async def test_an_index_entry_vllm_fails_on_is_refused_before_the_engine_is_touched(
-    rl: _VllmRL, engine: RecordingEngine, root: Path, entry: str
+    rl: VllmRL, engine: RecordingEngine, root: Path, entry: str
 ) -> None:
     """vLLM reads only top-level files, and only entries spelled as their bare names: here the
     one file under another spelling, or ``b`` moved to a file of its own in a subdirectory."""
@@ -155,7 +155,7 @@ async def test_an_index_entry_vllm_fails_on_is_refused_before_the_engine_is_touc
 
 
 async def test_a_link_inside_the_root_is_refused_before_the_engine_is_touched(
-    rl: _VllmRL, engine: RecordingEngine, root: Path
+    rl: VllmRL, engine: RecordingEngine, root: Path
 ) -> None:
     ckpt = write_checkpoint(root / "step-1")
     shutil.move(ckpt / "model.safetensors", root / "shard")
@@ -189,7 +189,7 @@ CHANGES = {"replace": (replace, "was replaced"), "append": (append, "changed siz
 
 @pytest.mark.parametrize("change", CHANGES)
 async def test_a_checkpoint_changed_right_before_the_load_is_refused(
-    rl: _VllmRL, engine: RecordingEngine, root: Path, change: str
+    rl: VllmRL, engine: RecordingEngine, root: Path, change: str
 ) -> None:
     ckpt = write_checkpoint(root / "step-1")
     do, words = CHANGES[change]
@@ -202,7 +202,7 @@ async def test_a_checkpoint_changed_right_before_the_load_is_refused(
 
 @pytest.mark.parametrize("change", CHANGES)
 async def test_a_checkpoint_changed_while_the_engine_reads_it_restores_the_last_good_weights(
-    rl: _VllmRL, engine: RecordingEngine, root: Path, served: Path, change: str
+    rl: VllmRL, engine: RecordingEngine, root: Path, served: Path, change: str
 ) -> None:
     ckpt = write_checkpoint(root / "step-1")
     do, words = CHANGES[change]
@@ -222,7 +222,7 @@ async def test_a_checkpoint_changed_while_the_engine_reads_it_restores_the_last_
 
 
 async def test_a_cancelled_caller_keeps_the_lock_until_its_load_ends(
-    rl: _VllmRL, engine: RecordingEngine, root: Path
+    rl: VllmRL, engine: RecordingEngine, root: Path
 ) -> None:
     first, second = write_checkpoint(root / "step-1"), write_checkpoint(root / "step-2")
     entered, release = asyncio.Event(), asyncio.Event()
@@ -250,7 +250,7 @@ async def test_a_cancelled_caller_keeps_the_lock_until_its_load_ends(
 
 
 async def test_a_caller_cancelled_while_it_waits_drops_its_load() -> None:
-    from routereplay.service.vllm_engine import _OneAtATime
+    from routereplay.service.engines.one_at_a_time import OneAtATime
 
     runs: list[str] = []
     release = asyncio.Event()
@@ -262,7 +262,7 @@ async def test_a_caller_cancelled_while_it_waits_drops_its_load() -> None:
         runs.append(f"end {name}")
         return name
 
-    one = _OneAtATime()
+    one = OneAtATime()
     a = asyncio.create_task(one.run({"op": "a"}, lambda: load("a")))
     b = asyncio.create_task(one.run({"op": "b"}, lambda: load("b")))
     await asyncio.sleep(0.05)
@@ -297,7 +297,7 @@ def loop_file_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 
 
 async def test_file_system_work_stays_off_the_event_loop(
-    rl: _VllmRL, root: Path, loop_file_calls: list[str]
+    rl: VllmRL, root: Path, loop_file_calls: list[str]
 ) -> None:
     ckpt = write_checkpoint(root / "step-1")
     loop_file_calls.append("recording")

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from routereplay.service.checkpoints import CheckpointError, read_checkpoint, weight_files
+from routereplay.service.engines.checkpoints import CheckpointError, read_checkpoint, weight_files
 
 FORMATS = ("auto", "hf", "safetensors", "mistral")
 

@@ -20,8 +20,14 @@ import numpy as np
 import pytest
 
 from routereplay.bench.servers import engine_env as bench_engine_env
-from routereplay.service._route_weights import is_ids_only, split_routes
-from routereplay.service._vllm_plugins import (
+from routereplay.service.cli import UsageError, settings_from_argv
+from routereplay.service.engine import ChoiceFinished
+from routereplay.service.engines.vllm import VllmBackend
+from routereplay.service.engines.vllm_host import engine_env, on_cpu_host
+from routereplay.service.errors import StartupRefused
+from routereplay.service.model_info import ModelInfo
+from routereplay.service.settings import RESERVED_ENGINE_ARGS
+from routereplay.service.vllm_patches.plugins import (
     CAPTURE_PLUGIN,
     CPU_SAMPLING_PLUGIN,
     PluginMissing,
@@ -29,12 +35,7 @@ from routereplay.service._vllm_plugins import (
     check_installed,
     check_workers,
 )
-from routereplay.service.cli import UsageError, settings_from_argv
-from routereplay.service.engine import ChoiceFinished
-from routereplay.service.errors import StartupRefused
-from routereplay.service.model_info import ModelInfo
-from routereplay.service.settings import RESERVED_ENGINE_ARGS
-from routereplay.service.vllm_engine import VllmBackend, engine_env, on_cpu_host
+from routereplay.service.vllm_patches.route_weights import is_ids_only, split_routes
 
 # Each field the service sets from its own settings, and a value no default has.
 OVERRIDES: dict[str, Any] = {
@@ -159,7 +160,7 @@ def test_plugins_must_be_installed_and_allowed() -> None:
     ("value", "words"),
     [
         ("routereplay.service._vllm_cpu_plugin:register", "points at"),  # a module since removed
-        ("routereplay.service._vllm_plugins:register_cpu_sampling", "points at"),  # swapped
+        ("routereplay.service.vllm_patches.plugins:register_cpu_sampling", "points at"),  # swapped
     ],
 )
 def test_a_stale_plugin_entry_point_is_refused(value: str, words: str) -> None:
@@ -182,7 +183,8 @@ def test_a_plugin_that_does_not_load_is_refused() -> None:
 def test_a_failed_weights_patch_is_reported_as_itself(monkeypatch) -> None:
     """The status method registers first: a worker whose weights patch raised says so, rather
     than passing for a worker that never loaded the plugin."""
-    from routereplay.service import _route_weights, _vllm_plugins
+    from routereplay.service.vllm_patches import plugins as _vllm_plugins
+    from routereplay.service.vllm_patches import route_weights as _route_weights
 
     def broken() -> None:
         raise RuntimeError("symbol moved")

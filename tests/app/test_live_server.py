@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from routereplay.service.engine import EngineEvent
-from routereplay.service.synthetic import SyntheticBackend
+from routereplay.service.engines.synthetic import SyntheticBackend
 
 from .conftest import MODEL, LiveServer, live, wait_for
 

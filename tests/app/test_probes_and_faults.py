@@ -158,7 +158,7 @@ async def test_engine_death_is_fatal_after_the_grace_period(redis_url: str) -> N
 
     from routereplay.service import Settings, create_app
     from routereplay.service.app import ENGINE_CHECK_INTERVAL_S as LOOK
-    from routereplay.service.synthetic import SyntheticBackend
+    from routereplay.service.engines.synthetic import SyntheticBackend
 
     grace = 30.0
     clock = ManualClock()

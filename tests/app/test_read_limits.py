@@ -78,7 +78,7 @@ async def test_the_service_reads_only_what_its_engine_could_have_written(redis_u
     """The service bounds its reads by its own context and layout, not the library's 2M rows /
     4 GiB: a record one row past ``max_model_len``, or wider than its layers, is refused."""
     from routereplay.client import RouteStore
-    from routereplay.service.synthetic import SyntheticBackend
+    from routereplay.service.engines.synthetic import SyntheticBackend
 
     from .conftest import running_app
 

@@ -100,7 +100,7 @@ async def test_refused_request_releases_its_id(svc: App) -> None:
 async def test_claims_hold_across_replicas(redis_url: str) -> None:
     """Two service replicas over one Redis: an id in flight on one is refused on the other."""
     from routereplay.service import Settings, create_app
-    from routereplay.service.synthetic import SyntheticBackend
+    from routereplay.service.engines.synthetic import SyntheticBackend
 
     engine = HeldEngine()
     async with running_app(redis_url, backend=engine) as a:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from routereplay.service.synthetic import synthetic_routes
+from routereplay.service.engines.synthetic import synthetic_routes
 
 from .conftest import MODEL, App, HeldEngine, running_app, until
 

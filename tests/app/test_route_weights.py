@@ -11,9 +11,13 @@ import pytest
 
 from routereplay.service import Settings
 from routereplay.service.app import make_backend
+from routereplay.service.engines.synthetic import (
+    SyntheticBackend,
+    synthetic_routes,
+    synthetic_weights,
+)
+from routereplay.service.engines.upstream import UpstreamBackend
 from routereplay.service.protocol import CompletionRequest
-from routereplay.service.synthetic import SyntheticBackend, synthetic_routes, synthetic_weights
-from routereplay.service.upstream import UpstreamBackend
 
 from .conftest import MODEL, App, running_app
 
@@ -149,8 +153,8 @@ async def test_second_turn_fills_skipped_rows_with_weights(redis_url: str) -> No
 def test_the_capture_flag_leaves_the_settings_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """The flag the service hands vLLM's processes is not a ROUTEREPLAY_ setting: a user's
     ROUTEREPLAY_ROUTE_WEIGHTS is --route-weights, read unchanged after an engine start."""
-    from routereplay.service._route_weights import ENV
-    from routereplay.service.vllm_engine import VllmBackend
+    from routereplay.service.engines.vllm import VllmBackend
+    from routereplay.service.vllm_patches.route_weights import ENV
 
     monkeypatch.setenv("ROUTEREPLAY_ROUTE_WEIGHTS", "request")
     monkeypatch.setenv(ENV, "unset")  # restored after the test

@@ -13,9 +13,9 @@ import sys
 import pytest
 
 from routereplay.service.cli import UsageError, settings_from_argv
-from routereplay.service.cpu_setup import omp_threads_bind, set_omp_threads_bind
 from routereplay.service.env_settings import LIST_FORM, container_of
 from routereplay.service.settings import Settings
+from routereplay.service.vllm_patches.cpu_setup import omp_threads_bind, set_omp_threads_bind
 
 ALICE = "alice:0123456789abcdef"
 BOB = "bob:fedcba9876543210-x"
@@ -210,7 +210,7 @@ def test_cpu_bind_bad_values(monkeypatch) -> None:
 # vLLM's own choice of worker cores for a binding value, in a process that inherits an affinity.
 _VLLM_BINDING = """
 import os, sys, types
-from routereplay.service.cpu_setup import set_omp_threads_bind
+from routereplay.service.vllm_patches.cpu_setup import set_omp_threads_bind
 from routereplay.service.settings import Settings
 set_omp_threads_bind(Settings().cpu_bind)
 from vllm.utils.ompmultiprocessing import OMPProcessManager

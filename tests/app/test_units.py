@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from routereplay.service import cpu_setup
 from routereplay.service.capture import npy_base64
 from routereplay.service.cli import settings_from_argv
 from routereplay.service.model_info import moe_layout
 from routereplay.service.protocol import ChatCompletionRequest, CompletionRequest
 from routereplay.service.tiny_model import build_tiny_model
+from routereplay.service.vllm_patches import cpu_setup
 
 
 @pytest.mark.parametrize(
@@ -83,7 +83,9 @@ def test_cpu_setup_idempotent(tmp_path: Path) -> None:
     d1 = cpu_setup.install(tmp_path)
     d2 = cpu_setup.install(tmp_path)
     assert d1 == d2 and cpu_setup.is_installed(tmp_path)
-    assert "cpu = routereplay.service._triton_cpu" in (d1 / "entry_points.txt").read_text()
+    assert (
+        "cpu = routereplay.service.vllm_patches.triton_cpu" in (d1 / "entry_points.txt").read_text()
+    )
     assert cpu_setup.remove(tmp_path) and not cpu_setup.is_installed(tmp_path)
 
 
@@ -93,7 +95,9 @@ def test_triton_cpu_backend_only_active_under_interpreter(monkeypatch: pytest.Mo
     from triton.backends import backends
 
     if not cpu_setup.is_installed():
-        pytest.fail("run `python -m routereplay.service.cpu_setup` (scripts/setup.sh does)")
+        pytest.fail(
+            "run `python -m routereplay.service.vllm_patches.cpu_setup` (scripts/setup.sh does)"
+        )
     CpuInterpreterBackend, CpuInterpreterDriver = backends["cpu"].compiler, backends["cpu"].driver
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")

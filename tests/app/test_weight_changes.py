@@ -3,7 +3,7 @@ time, a new weight version is set before generation resumes, requests that have 
 when the weights change are submitted again under the new weights generation (their prefix-cache
 partition), and a prefix-cache reset the engine refuses is counted, never assumed.
 
-``_VllmRL`` and ``VllmBackend``'s submission run as in the service, over engines that record
+``VllmRL`` and ``VllmBackend``'s submission run as in the service, over engines that record
 their calls (test_checkpoints_reload's, which refuses a reset while blocks are held, as vLLM
 does; and an ``AsyncLLM`` whose first output comes when the test says). The real engine's
 behaviour is service/test_rl_cache.py's.
@@ -21,8 +21,9 @@ import pytest
 
 from routereplay.service.admission import Admission, cache_salt
 from routereplay.service.engine import GenerationRequest
+from routereplay.service.engines.vllm import VllmBackend, _engine_error
+from routereplay.service.engines.vllm_rl import VllmRL
 from routereplay.service.errors import EngineUnavailableError, InvalidRequestError
-from routereplay.service.vllm_engine import VllmBackend, _engine_error, _VllmRL
 
 from .test_checkpoints_reload import Backend, RecordingEngine, write_checkpoint
 
@@ -48,9 +49,9 @@ def engine() -> TransferEngine:
 
 
 @pytest.fixture()
-def rl(tmp_path: Path, engine: TransferEngine) -> _VllmRL:
+def rl(tmp_path: Path, engine: TransferEngine) -> VllmRL:
     served = write_checkpoint(tmp_path / "served")
-    return _VllmRL(Backend(served, engine))  # type: ignore[arg-type]
+    return VllmRL(Backend(served, engine))  # type: ignore[arg-type]
 
 
 @pytest.fixture()
@@ -60,7 +61,7 @@ def root(tmp_path: Path) -> Path:
 
 
 async def held_load(
-    rl: _VllmRL, engine: RecordingEngine, root: Path
+    rl: VllmRL, engine: RecordingEngine, root: Path
 ) -> tuple[Path, asyncio.Task, asyncio.Event]:
     """A load of ``root/step-1`` under way: (its checkpoint, its caller's task, the event that
     lets the engine's read of it end)."""
@@ -78,7 +79,7 @@ async def held_load(
 
 
 async def test_state_changes_wait_for_a_running_load(
-    rl: _VllmRL, engine: TransferEngine, root: Path
+    rl: VllmRL, engine: TransferEngine, root: Path
 ) -> None:
     _, load, release = await held_load(rl, engine, root)
     others = [
@@ -99,7 +100,7 @@ async def test_state_changes_wait_for_a_running_load(
 
 
 async def test_the_transfer_path_labels_the_weights_before_generation_resumes(
-    rl: _VllmRL, engine: TransferEngine
+    rl: VllmRL, engine: TransferEngine
 ) -> None:
     await rl.start_weight_update()
     await rl.finish_weight_update("step-7")
@@ -109,7 +110,7 @@ async def test_the_transfer_path_labels_the_weights_before_generation_resumes(
 
 
 async def test_a_paused_engine_stays_paused_and_holds_new_requests(
-    rl: _VllmRL, engine: TransferEngine, root: Path
+    rl: VllmRL, engine: TransferEngine, root: Path
 ) -> None:
     await rl.pause("abort", True)
     assert rl.b.admission.held
@@ -120,7 +121,7 @@ async def test_a_paused_engine_stays_paused_and_holds_new_requests(
 
 
 async def test_a_refused_reset_is_counted_not_assumed(
-    rl: _VllmRL, engine: TransferEngine, root: Path
+    rl: VllmRL, engine: TransferEngine, root: Path
 ) -> None:
     engine.blocks_held = True  # a request holds KV blocks: vLLM keeps its cache
     await rl.reload_weights(write_checkpoint(root / "step-1"), "step-1", root)
@@ -132,7 +133,7 @@ async def test_a_refused_reset_is_counted_not_assumed(
 
 
 async def test_requests_not_started_are_taken_back_before_generation_resumes(
-    rl: _VllmRL, engine: TransferEngine, root: Path
+    rl: VllmRL, engine: TransferEngine, root: Path
 ) -> None:
     admission = rl.b.admission
     waiting = admission.admit("c1.x", "c1")
@@ -153,7 +154,7 @@ async def test_requests_not_started_are_taken_back_before_generation_resumes(
 
 
 async def test_a_caller_whose_load_timed_out_learns_how_it_ended(
-    rl: _VllmRL, engine: TransferEngine, root: Path
+    rl: VllmRL, engine: TransferEngine, root: Path
 ) -> None:
     ckpt, caller, release = await held_load(rl, engine, root)
     caller.cancel()  # its HTTP client gave up

@@ -23,9 +23,9 @@ import httpx
 
 from routereplay.client import AsyncRouteStore
 from routereplay.service import Settings, create_app
-from routereplay.service.checkpoints import CheckpointError
+from routereplay.service.engines.checkpoints import CheckpointError
+from routereplay.service.engines.vllm import VllmBackend
 from routereplay.service.errors import EngineUnavailableError
-from routereplay.service.vllm_engine import VllmBackend
 
 NAME = "tiny-restore"
 

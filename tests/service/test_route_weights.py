@@ -135,7 +135,10 @@ def test_changed_vllm_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> Non
     string: a vLLM whose router selects experts differently is refused, naming the function."""
     from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
-    from routereplay.service._route_weights import RouteWeightsUnsupported, check_supported
+    from routereplay.service.vllm_patches.route_weights import (
+        RouteWeightsUnsupported,
+        check_supported,
+    )
 
     check_supported()  # the installed vLLM is the known one
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 __all__ = [
     "Checkpoint",

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from .admission import label_cache_salt
-from .engine import (
+from ..admission import label_cache_salt
+from ..engine import (
     ChoiceDelta,
     ChoiceFinished,
     EngineBackend,
@@ -30,9 +30,9 @@ from .engine import (
     PromptRendered,
     RLControl,
 )
-from .errors import EngineUnavailableError, InvalidRequestError, ServiceError
-from .model_info import ModelInfo, moe_layout
-from .protocol import (
+from ..errors import EngineUnavailableError, InvalidRequestError, ServiceError
+from ..model_info import ModelInfo, moe_layout
+from ..protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

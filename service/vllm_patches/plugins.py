@@ -53,7 +53,7 @@ class PluginMissing(RuntimeError):
 def register_capture() -> None:
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    from . import _route_weights
+    from . import route_weights as _route_weights
 
     # The status method first, so that a step failing after it is reported, not taken for a
     # plugin that never loaded.
