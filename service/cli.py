@@ -24,7 +24,7 @@ from pydantic import SecretStr, ValidationError
 from pydantic_settings import CliApp, SettingsError
 
 from .env_settings import DICT_FORM, LIST_FORM, container_of
-from .settings import Settings
+from .settings import Settings, unknown_variables
 
 __all__ = [
     "ENGINE_DEAD_EXIT",
@@ -45,7 +45,14 @@ class UsageError(Exception):
 
 def settings_from_argv(argv: list[str]) -> Settings:
     """Settings from flags layered over the environment; :class:`UsageError` names a bad flag
-    or ``ROUTEREPLAY_*`` variable and, for a list or dict, the forms it takes."""
+    or ``ROUTEREPLAY_*`` variable and, for a list or dict, the forms it takes; a
+    ``ROUTEREPLAY_*`` variable that is no setting is one too."""
+    unknown = unknown_variables(os.environ)
+    if unknown:
+        raise UsageError(
+            "; ".join(unknown) + ": a setting's variable is its flag in capitals "
+            "(--redis-url: ROUTEREPLAY_REDIS_URL)"
+        )
     try:
         return CliApp.run(Settings, cli_args=argv, cli_exit_on_error=True)
     except ValidationError as e:

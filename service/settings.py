@@ -6,7 +6,9 @@ from the fields): flags override the environment, which overrides the defaults.
 
 from __future__ import annotations
 
+import difflib
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -17,7 +19,7 @@ from .env_settings import SettingsEnvSource
 from .key_entries import parse_key_entry
 from .vllm_patches.cpu_setup import omp_threads_bind
 
-__all__ = ["Settings"]
+__all__ = ["TOOLING_VARIABLES", "Settings", "unknown_variables"]
 
 
 def _key_entry(entry: SecretStr) -> SecretStr:
@@ -234,3 +236,29 @@ class Settings(BaseSettings):
         if self.model:
             return self.model
         return f"tiny-qwen3-moe-{self.tiny_variant}"
+
+
+# ROUTEREPLAY_* names the project's own tooling reads, not the service: accepted beside the
+# settings, so one shell can set both. Internal flags between the service and its processes are
+# named RR_* (outside this namespace), so that no setting can collide with one.
+TOOLING_VARIABLES = {
+    "ROUTEREPLAY_EXTRAS": "the pip extras scripts/setup.sh installs",
+    "ROUTEREPLAY_IMAGE": "the image compose.yaml runs",
+    "ROUTEREPLAY_GPU_IMAGE": "the image deploy/compose.gpu.yaml runs",
+}
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """One line per ``ROUTEREPLAY_*`` variable of ``environ`` that is neither a setting nor a
+    tooling variable (a typo would otherwise be ignored and its default used), each with the
+    closest known name. Compared upper-cased: pydantic-settings reads the names so."""
+    known = {f"ROUTEREPLAY_{name.upper()}" for name in Settings.model_fields}
+    known |= TOOLING_VARIABLES.keys()
+    out = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if upper.startswith("ROUTEREPLAY_") and upper not in known:
+            close = difflib.get_close_matches(upper, known, n=1, cutoff=0.8)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            out.append(f"{name} is not a setting{hint}")
+    return out

@@ -53,6 +53,26 @@ def test_deploy_files_only_set_real_settings() -> None:
     assert names <= fields, f"unknown settings: {sorted(names - fields)}"
 
 
+def test_every_routereplay_variable_named_is_a_setting_or_tooling() -> None:
+    """The rule the service enforces at start, kept true of what the project itself names:
+    outside the tests, a ROUTEREPLAY_* name is a setting or one of TOOLING_VARIABLES."""
+    from routereplay.service.settings import TOOLING_VARIABLES
+
+    known = {f"ROUTEREPLAY_{n.upper()}" for n in Settings.model_fields} | TOOLING_VARIABLES.keys()
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()  # fmt: skip
+    named: dict[str, str] = {}
+    for f in files:
+        path = ROOT / f
+        if f.startswith("tests/") or not path.is_file() or path.suffix in (".png", ".tgz"):
+            continue
+        text = path.read_text("utf-8", "replace")
+        for name in re.findall(r"\bROUTEREPLAY_[A-Z0-9_]*[A-Z0-9]\b", text):
+            named.setdefault(name, f)
+    assert "ROUTEREPLAY_REDIS_URL" in named  # the scan reads the files
+    assert {n: f for n, f in named.items() if n not in known} == {}
+
+
 def test_dockerfiles_copy_existing_paths() -> None:
     for f in (ROOT / "docker").glob("Dockerfile*"):
         for line in f.read_text().splitlines():

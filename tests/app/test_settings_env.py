@@ -176,6 +176,38 @@ def test_help_says_the_forms() -> None:
     assert "Lists are comma-separated" in out
 
 
+@pytest.mark.parametrize(
+    ("name", "line"),
+    [
+        ("ROUTEREPLAY_PROT", "ROUTEREPLAY_PROT is not a setting (did you mean ROUTEREPLAY_PORT?)"),
+        ("routereplay_redis_ulr", "routereplay_redis_ulr is not a setting (did you mean "
+                                  "ROUTEREPLAY_REDIS_URL?)"),
+        ("ROUTEREPLAY_TEST_HOLD_DIR", "ROUTEREPLAY_TEST_HOLD_DIR is not a setting"),
+    ],
+)  # fmt: skip
+def test_serve_refuses_a_variable_that_is_no_setting(name: str, line: str) -> None:
+    """A typo'd ROUTEREPLAY_* name would leave its setting at the default: refused at start,
+    as an unknown request field is, with the closest setting's name."""
+    r = run_serve("--backend", "synthetic", env={name: "1"})
+    assert r.returncode == 2, r.stderr
+    [out] = r.stderr.splitlines()
+    assert out.startswith(f"routereplay serve: error: {line}"), out
+    if "did you mean" not in line:
+        assert "did you mean" not in out
+
+
+def test_tooling_variables_are_not_settings_and_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    from routereplay.service.settings import TOOLING_VARIABLES, unknown_variables
+
+    fields = {f"ROUTEREPLAY_{n.upper()}" for n in Settings.model_fields}
+    assert not TOOLING_VARIABLES.keys() & fields
+    env = {name: "x" for name in TOOLING_VARIABLES} | {"ROUTEREPLAY_PORT": "1", "RR_OTHER": "1"}
+    assert unknown_variables(env) == []
+    for name in TOOLING_VARIABLES:
+        monkeypatch.setenv(name, "x")
+    assert settings_from_argv(["--port", "9"]).port == 9
+
+
 # -- cpu_bind --------------------------------------------------------------------------------------
 
 
