@@ -213,7 +213,6 @@ class RouteCapture:
         handle.weight_version = record.weight_version
         handle.weights = fin.routed_weights is not None
         handle.weights_dtype = fin.weights_dtype if handle.weights else None
-        handle.weights_error = fin.weights_error
         handle.weight_versions = [
             WeightSpanOut(version=v, start=a, stop=b) for v, a, b in record.weight_versions
         ] or None

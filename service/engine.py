@@ -116,8 +116,6 @@ class ChoiceFinished:
     # values of ``weights_dtype``; None when the request did not ask for them.
     routed_weights: np.ndarray | None = None
     weights_dtype: str | None = None
-    # Why a request that asked for the weights has none (its ids are stored without them).
-    weights_error: str | None = None
 
 
 EngineEvent = PromptRendered | ChoiceDelta | ChoiceFinished

@@ -332,8 +332,6 @@ class RouteHandle(BaseModel):
     # True when the record holds the engine's routing weights (in ``weights_dtype``).
     weights: bool = False
     weights_dtype: str | None = None
-    # Set when the request asked for the weights and the engine gave ids alone (stored).
-    weights_error: str | None = None
     error: str | None = None
 
 

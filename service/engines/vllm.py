@@ -661,18 +661,13 @@ class VllmBackend(EngineBackend):
 
     async def _split_weights(self, fin: ChoiceFinished, wanted: bool) -> ChoiceFinished:
         """With the capture on, the engine's rows carry ids and weights: vLLM's ids for every
-        request, the weights only for requests that asked. Rows of ids alone (a worker without
-        the weights capture) keep their ids; the weights are then reported absent."""
+        request, the weights only for requests that asked. The start-up check refused workers
+        without the capture, so rows in any other layout fail the route, naming the layout."""
         if self.route_weights == "off" or fin.routed_experts is None:
             return fin
-        from ..vllm_patches.route_weights import is_ids_only, split_routes
+        from ..vllm_patches.route_weights import split_routes
 
         top_k, num_experts = self.info.top_k, self.info.num_experts
-        if is_ids_only(fin.routed_experts, top_k):
-            if wanted:
-                fin.weights_error = "the engine returned expert ids without routing weights"
-                log.warning("route %s: %s", fin.index, fin.weights_error)
-            return fin
         try:
             ids, w = split_routes(fin.routed_experts, top_k, num_experts)
         except ValueError as e:

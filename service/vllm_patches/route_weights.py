@@ -38,7 +38,6 @@ __all__ = [
     "check_supported",
     "install",
     "installed",
-    "is_ids_only",
     "split_routes",
 ]
 
@@ -282,9 +281,3 @@ def split_routes(routes: np.ndarray, top_k: int, num_experts: int) -> tuple[np.n
     ids = wide.astype(np.uint8 if num_experts <= 256 else np.uint16)
     weights = np.ascontiguousarray(routes[:, :, top_k:]).view(np.float32)
     return ids, weights
-
-
-def is_ids_only(routes: np.ndarray, top_k: int) -> bool:
-    """True for vLLM's own ``[R, L, K]`` uint8/uint16 ids (a worker without the weights
-    capture): those ids are still the engine's routes."""
-    return routes.ndim == 3 and routes.shape[2] == top_k and routes.dtype in (np.uint8, np.uint16)
