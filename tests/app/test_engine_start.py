@@ -275,6 +275,24 @@ def test_ids_without_weights_plane_fail_the_route() -> None:
         assert "not the routing-weight capture's [rows, layers, 4] int32" in fin.routes_error
 
 
+def test_the_patch_table_names_what_this_vllm_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every object the capture touches is one row of SYMBOLS: this vLLM has each (the check
+    passes), and a row naming something it lacks, or a replaced function it lacks, is refused
+    by its full name."""
+    from routereplay.service.vllm_patches import route_weights as rw
+
+    rw.check_supported()
+    gone = rw.Symbol("vllm.v1.worker.worker_base", "NoSuchWrapper")
+    monkeypatch.setattr(rw, "SYMBOLS", (*rw.SYMBOLS, gone))
+    with pytest.raises(rw.RouteWeightsUnsupported, match=r"has no vllm\.v1\.worker\.worker_base"
+                       r"\.NoSuchWrapper$"):  # fmt: skip
+        rw.check_supported()
+    method = rw.Symbol(rw.SYMBOLS[0].module, "BaseRouter", "_no_such_step", "0" * 16)
+    monkeypatch.setattr(rw, "SYMBOLS", (*rw.SYMBOLS[:-1], method))
+    with pytest.raises(rw.RouteWeightsUnsupported, match=r"BaseRouter\._no_such_step .*missing"):
+        rw.check_supported()
+
+
 def test_swapped_id_and_weight_slots_are_refused_before_narrowing() -> None:
     """Weights in the id slots: the float bits of 0.75 and 0.25 narrowed to uint8 are 0 and 0,
     plausible ids; checked as int32 they are out of range."""
