@@ -16,6 +16,7 @@ calls it for every step, in the same order.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -68,33 +69,51 @@ def _rows(t: ReplayTargets, lo: int, hi: int, tp_size: int) -> ReplayTargets:
     )  # fmt: skip
 
 
-def _header(t: ReplayTargets) -> dict[str, Any]:
-    return {"layers": t.layers, "shape": t.experts.shape, "dtype": t.experts.dtype.str,
-            "num_experts": t.num_experts, "filler_rows": t.filler_rows,
-            "batch_shape": t.batch_shape, "order": t.order,
-            "has": [getattr(t, k) is not None for k in _OPTIONAL]}  # fmt: skip
+@dataclass(frozen=True)
+class _Header:
+    """What the preparing rank announces before the arrays travel (pickled by
+    ``broadcast_object_list``): the targets' fields, the shape and dtype of their experts, which
+    of the optional arrays follow (``sent``, in :data:`_OPTIONAL`'s order) and ``prepare``'s extra
+    object; or only ``error``, why it has nothing to send."""
+
+    layers: tuple[int, ...] = ()
+    shape: tuple[int, int, int] = (0, 0, 0)
+    dtype: str = ""
+    num_experts: int = 0
+    filler_rows: int = 0
+    batch_shape: tuple[int, int] | None = None
+    order: str = "sequence"
+    sent: tuple[str, ...] = ()
+    extra: tuple[Any, ...] = ()  # (extra,) when prepare returned one
+    error: str | None = None
+
+    @classmethod
+    def of(cls, t: ReplayTargets, extra: tuple[Any, ...] = ()) -> _Header:
+        sent = tuple(k for k in _OPTIONAL if getattr(t, k) is not None)
+        return cls(t.layers, t.experts.shape, t.experts.dtype.str, t.num_experts, t.filler_rows,
+                   t.batch_shape, t.order, sent, extra)  # fmt: skip
+
+    def empty(self, rows: int) -> list[np.ndarray]:
+        """Arrays to receive ``rows`` rows of the experts and of each optional array sent."""
+        M, _, K = self.shape
+        out = [np.empty((M, rows, K), np.dtype(self.dtype))]
+        for k in self.sent:  # weights are [M, rows, K]; the masks one bool per row
+            shape = (M, rows, K) if k == "weights" else (rows,)
+            out.append(np.empty(shape, np.float32 if k == "weights" else bool))
+        return out
+
+    def build(self, arrays: list[np.ndarray], batch_shape: tuple[int, int] | None) -> ReplayTargets:
+        """The targets of received ``arrays`` (:meth:`empty`'s, filled); fillers are counted
+        from the rows' validity where it was sent."""
+        opt = dict(zip(self.sent, arrays[1:], strict=True))
+        valid = opt.get("valid")
+        fillers = self.filler_rows if valid is None else int((~valid).sum())
+        return ReplayTargets(self.layers, arrays[0], self.num_experts, fillers,
+                             batch_shape=batch_shape, order=self.order, **opt)  # fmt: skip
 
 
 def _arrays(t: ReplayTargets) -> list[np.ndarray]:
     return [t.experts] + [getattr(t, k) for k in _OPTIONAL if getattr(t, k) is not None]
-
-
-def _empty_like(h: dict[str, Any], rows: int) -> list[np.ndarray]:
-    M, _, K = h["shape"]
-    out = [np.empty((M, rows, K), np.dtype(h["dtype"]))]
-    for k, has in zip(_OPTIONAL, h["has"], strict=True):
-        if has:
-            out.append(
-                np.empty((M, rows, K), np.float32) if k == "weights" else np.empty(rows, bool)
-            )
-    return out
-
-
-def _build(h: dict[str, Any], arrays: list[np.ndarray], filler_rows: int, bs: Any) -> ReplayTargets:
-    it = iter(arrays[1:])
-    opt = {k: (next(it) if has else None) for k, has in zip(_OPTIONAL, h["has"], strict=True)}
-    return ReplayTargets(tuple(h["layers"]), arrays[0], h["num_experts"], filler_rows,
-                         batch_shape=bs, order=h["order"], **opt)  # fmt: skip
 
 
 def _tensor(a: np.ndarray) -> torch.Tensor:
@@ -140,53 +159,53 @@ def share_targets(
                 raise ValueError("share_targets: the source rank must pass prepare")
             targets, header = _prepared(prepare())
         except BaseException as e:  # the group hears of it, then it is raised here
-            failure, header = e, [{"error": f"{type(e).__name__}: {e}"}]
+            failure, header = e, [_Header(error=f"{type(e).__name__}: {e}")]
     dist.broadcast_object_list(header, src=src, group=group)
-    h = header[0]
+    h: _Header = header[0]
     if failure is not None:
         raise failure
-    if "error" in h:
-        raise TargetShareError(f"rank {src} failed to prepare this step's targets: {h['error']}")
+    if h.error is not None:
+        raise TargetShareError(f"rank {src} failed to prepare this step's targets: {h.error}")
     if not sequence_parallel:
         mine = _broadcast(targets, h, group, src)
     else:
         mine = _scatter(targets, h, group, src, tp_size, tp_rank)
-    return (mine, h["extra"]) if "extra" in h else mine  # type: ignore[return-value]
+    return (mine, *h.extra) if h.extra else mine  # type: ignore[return-value]
 
 
-def _prepared(result: Prepared) -> tuple[ReplayTargets, list[dict[str, Any]]]:
+def _prepared(result: Prepared) -> tuple[ReplayTargets, list[_Header]]:
     """(the targets, the header that announces them) of what ``prepare`` returned."""
     if isinstance(result, tuple):
         targets, extra = result
-        return targets, [{**_header(targets), "extra": extra}]
-    return result, [_header(result)]
+        return targets, [_Header.of(targets, (extra,))]
+    return result, [_Header.of(result)]
 
 
-def _broadcast(targets: ReplayTargets | None, h: dict, group: Any, src: int) -> ReplayTargets:
+def _broadcast(targets: ReplayTargets | None, h: _Header, group: Any, src: int) -> ReplayTargets:
     import torch.distributed as dist
 
     if targets is not None:
         for a in _arrays(targets):
             dist.broadcast(_tensor(a), src=src, group=group)
         return targets
-    arrays = _empty_like(h, h["shape"][1])
+    arrays = h.empty(h.shape[1])
     for a in arrays:
         dist.broadcast(_tensor(a), src=src, group=group)
-    return _build(h, arrays, h["filler_rows"], h["batch_shape"])
+    return h.build(arrays, h.batch_shape)
 
 
 def _scatter(
-    targets: ReplayTargets | None, h: dict, group: Any, src: int, tp_size: int, tp_rank: int
+    targets: ReplayTargets | None, h: _Header, group: Any, src: int, tp_size: int, tp_rank: int
 ) -> ReplayTargets:
     import torch.distributed as dist
 
-    n = h["shape"][1]
-    if h["order"] != "sequence" or n % tp_size:
+    n = h.shape[1]
+    if h.order != "sequence" or n % tp_size:
         raise TargetShapeError(
             f"share_targets(sequence_parallel=True) needs sequence-major rows divisible by "
-            f"TP={tp_size}; rank {src} prepared {n} rows in {h['order']!r} order"
+            f"TP={tp_size}; rank {src} prepared {n} rows in {h.order!r} order"
         )
-    mine = _empty_like(h, n // tp_size)
+    mine = h.empty(n // tp_size)
     parts = None
     if targets is not None:
         slices = [sp_slice(targets, tp_size, r) for r in range(tp_size)]
@@ -194,7 +213,5 @@ def _scatter(
     for i, a in enumerate(mine):
         sends = None if parts is None else [_tensor(p[i]) for p in parts]
         dist.scatter(_tensor(a), sends, src=src, group=group)
-    valid = mine[1] if h["has"][0] else None
-    fillers = 0 if valid is None else int((~valid).sum())
-    bs = h["batch_shape"]
-    return _build(h, mine, fillers, None if bs is None else (bs[0], bs[1] // tp_size))
+    bs = h.batch_shape
+    return h.build(mine, None if bs is None else (bs[0], bs[1] // tp_size))
