@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -421,23 +421,88 @@ def gather_targets(
         pmap.check_tokens(records, input_ids)
     # The batch-major rows are the output itself where no reorder follows: pinned there.
     pin_here = pin_memory and (pmap.shape[0] == 1 or order == "batch")
-    out, pinned, valid, fillers = _gather_batch_major(
-        pmap, records, sources, len(layers), num_experts, top_k, pin_here, buffers
-    )
-    replay = _replay_mask(pmap, own_routing)
-    w_out = _gather_weights(pmap, records, used, layers, top_k, valid, replay) if weights else None
-    out, pinned, valid, replay, w_out = _in_order(
-        order, pmap.shape, out, pinned, valid, replay, w_out, pin_memory, buffers
-    )
+    shape = _Shape(len(layers), num_experts, top_k)
+    rows = _gather_batch_major(pmap, records, sources, shape, _Memory(pin_here, buffers))
+    rows.replay = _replay_mask(pmap, own_routing)
+    if weights:
+        rows.weights = _gather_weights(pmap, records, used, layers, rows)
+    rows = rows.in_order(order, pmap.shape, _Memory(pin_memory, buffers))
     return ReplayTargets(
-        layers, out, num_experts, fillers, valid, pinned, replay, weights=w_out,
-        batch_shape=pmap.shape, order=order,
+        layers, rows.experts, num_experts, rows.fillers, rows.valid, rows.pinned, rows.replay,
+        weights=rows.weights, batch_shape=pmap.shape, order=order,
     )  # fmt: skip
 
 
-# A used record's source rows: the (output layer, record column) runs of the gathered layers, and
-# its layer-major parts (a copy_runs source as they are) with the first row of each.
-_Source = tuple[list[tuple[int, int, int]], tuple[int, ...], tuple[np.ndarray, ...]]
+class _Source(NamedTuple):
+    """A used record's rows to copy: the ``(output layer, record column, count)`` runs of the
+    gathered layers, and its layer-major parts (copied from as they are) with the first row of
+    each."""
+
+    cols: list[tuple[int, int, int]]
+    firsts: tuple[int, ...]
+    parts: tuple[np.ndarray, ...]
+
+
+class _Shape(NamedTuple):
+    """The gathered ids' model shape: MoE layers gathered, experts, ids per row."""
+
+    layers: int
+    num_experts: int
+    top_k: int
+
+
+@dataclass(frozen=True)
+class _Memory:
+    """Where gathered ids are written: page-locked (``pinned``), else recycled from
+    ``buffers`` where given, else fresh."""
+
+    pinned: bool
+    buffers: TargetBuffers | None
+
+    def ids(self, shape: tuple[int, int, int], dt: np.dtype) -> tuple[np.ndarray, Any]:
+        """An ``shape`` array of ``dt`` ids, and the page-locked tensor it is (None if not)."""
+        n = shape[0] * shape[1] * shape[2]
+        t = _empty(n, dt, self.pinned)
+        flat = t.numpy() if t is not None else _host_empty(n, dt, self.buffers)
+        return flat.reshape(shape), None if t is None else t.view(*shape)
+
+
+@dataclass
+class _Rows:
+    """The gathered rows of a ``(B, S)`` map, batch-major until :meth:`in_order`: ids
+    ``[M, B*S, K]`` and the page-locked tensor they are in (None unless pinned), ``[B*S]`` the
+    rows a record routed, the replay mask, the engine weights, and how many rows are fillers."""
+
+    experts: np.ndarray
+    pinned: torch.Tensor | None
+    valid: np.ndarray
+    fillers: int
+    replay: np.ndarray | None = None
+    weights: np.ndarray | None = None
+
+    def in_order(self, order: RowOrder, shape: tuple[int, int], memory: _Memory) -> _Rows:
+        """These rows in ``order``: as they are, or copied sequence-major into ``memory``."""
+        if order not in ("sequence", "batch"):
+            raise ValueError(f"order must be 'sequence' or 'batch', not {order!r}")
+        B, S = shape
+        if B == 1 or order == "batch":
+            return self
+        M, N, K = self.experts.shape
+        # [M, B, S, K] -> [M, S, B, K]: Megatron's router flattens [S, B] sequence-major. Into a
+        # second buffer (from the pool, the scratch's going back to it with ``by_seq``).
+        by_seq = self.experts.reshape(M, B, S, K).transpose(0, 2, 1, 3)
+        out, pinned = memory.ids((M, N, K), self.experts.dtype)
+        np.copyto(out.reshape(M, S, B, K), by_seq)
+
+        def seq_major(rows: np.ndarray) -> np.ndarray:
+            return np.ascontiguousarray(rows.reshape(B, S).T).reshape(N)
+
+        weights = self.weights
+        if weights is not None:
+            weights = np.ascontiguousarray(weights.reshape(M, B, S, K).transpose(0, 2, 1, 3))
+            weights = weights.reshape(M, N, K)
+        replay = None if self.replay is None else seq_major(self.replay)
+        return _Rows(out, pinned, seq_major(self.valid), self.fillers, replay, weights)
 
 
 def _model_shape(
@@ -491,7 +556,7 @@ def _record_sources(
         # (layer_major_parts: consecutive from row 0, what the kernel's cuts rely on)
         parts = r.layer_major_parts()
         firsts, arrs = tuple(zip(*parts, strict=True)) if parts else ((), ())
-        sources[ri] = (runs, firsts, arrs)
+        sources[ri] = _Source(runs, firsts, arrs)
     return sources
 
 
@@ -499,33 +564,24 @@ def _gather_batch_major(
     pmap: PositionMap,
     records: Sequence[RouteRecord | None],
     sources: dict[int, _Source],
-    M: int,
-    num_experts: int,
-    top_k: int,
-    pin_memory: bool,
-    buffers: TargetBuffers | None,
-) -> tuple[np.ndarray, torch.Tensor | None, np.ndarray, int]:
-    """``[M, B*S, K]`` batch-major ids of the mapped positions, fillers where no valid row of a
-    record is; the page-locked tensor they are in (with ``pin_memory``, else None);
-    ``[B*S]`` bool, the rows routed; and how many rows are fillers."""
+    shape: _Shape,
+    memory: _Memory,
+) -> _Rows:
+    """The batch-major ids of the mapped positions, fillers where no valid row of a record is."""
     B, S = pmap.shape
     N = B * S
-    dt = expert_dtype(num_experts)
+    dt = expert_dtype(shape.num_experts)
     # Batch-major output first: runs of consecutive rows are long there; reordered at the end
     # into the page-locked output where the order asks for it (this one is then only scratch).
-    pinned = _empty(M * N * top_k, dt, pin_memory)
-    out = (
-        pinned.numpy() if pinned is not None else _host_empty(M * N * top_k, dt, buffers)
-    ).reshape(M, N, top_k)
+    out, pinned = memory.ids((shape.layers, N, shape.top_k), dt)
     routed = _copy_routes(out, pmap, records, sources)
     # Fillers: no route, or a row the record marks invalid (zeros there would pass for expert 0).
     fill_idx = np.flatnonzero(~routed)
     if fill_idx.size:
         out[:, fill_idx] = filler_experts(
-            pmap.position.reshape(-1)[fill_idx], num_experts, top_k, dt
+            pmap.position.reshape(-1)[fill_idx], shape.num_experts, shape.top_k, dt
         )[None]
-    pinned = None if pinned is None else pinned.view(M, N, top_k)
-    return out, pinned, routed, int(fill_idx.size)
+    return _Rows(out, pinned, routed, int(fill_idx.size))
 
 
 def _copy_routes(
@@ -556,48 +612,13 @@ def _copy_routes(
             ri = int(rec[s])
             if ri not in sources:
                 continue  # a missing record: fillers
-            cols, firsts, arrs = sources[ri]
+            src = sources[ri]
             t0, t1 = int(tok[s]), int(tok[s]) + (e - s)
             routed[s:e] = records[ri].valid[t0:t1]
-            _copy_cuts(out, cols, _cuts(firsts, arrs, t0, t1), s, e)
+            _copy_cuts(out, src.cols, _cuts(src.firsts, src.parts, t0, t1), s, e)
 
     _run_split(copy, N, out.nbytes)
     return routed
-
-
-def _in_order(
-    order: RowOrder,
-    shape: tuple[int, int],
-    out: np.ndarray,
-    pinned: torch.Tensor | None,
-    valid: np.ndarray,
-    replay: np.ndarray | None,
-    weights: np.ndarray | None,
-    pin_memory: bool,
-    buffers: TargetBuffers | None,
-) -> tuple[np.ndarray, torch.Tensor | None, np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """The batch-major rows of a ``shape`` = ``(B, S)`` map (ids, their page-locked tensor,
-    valid, replay mask, weights) in ``order``: as they are, or copied sequence-major."""
-    if order not in ("sequence", "batch"):
-        raise ValueError(f"order must be 'sequence' or 'batch', not {order!r}")
-    B, S = shape
-    if B == 1 or order == "batch":
-        return out, pinned, valid, replay, weights
-    M, N, K = out.shape
-    # [M, B, S, K] -> [M, S, B, K]: Megatron's router flattens [S, B] sequence-major
-    by_seq = out.reshape(M, B, S, K).transpose(0, 2, 1, 3)
-    pinned = _empty(M * N * K, out.dtype, pin_memory)
-    # Into a second buffer (from the pool, the scratch's going back to it with ``by_seq``).
-    flat = pinned.numpy() if pinned is not None else _host_empty(M * N * K, out.dtype, buffers)
-    np.copyto(flat.reshape(M, S, B, K), by_seq)
-    valid = np.ascontiguousarray(valid.reshape(B, S).T).reshape(N)
-    if replay is not None:
-        replay = np.ascontiguousarray(replay.reshape(B, S).T).reshape(N)
-    if weights is not None:
-        weights = np.ascontiguousarray(weights.reshape(M, B, S, K).transpose(0, 2, 1, 3))
-        weights = weights.reshape(M, N, K)
-    pinned = None if pinned is None else pinned.view(M, N, K)
-    return flat.reshape(M, N, K), pinned, valid, replay, weights
 
 
 def _gather_weights(
@@ -605,13 +626,12 @@ def _gather_weights(
     records: Sequence[RouteRecord | None],
     used: np.ndarray,
     layers: tuple[int, ...],
-    top_k: int,
-    valid: np.ndarray,
-    replay: np.ndarray | None,
+    rows: _Rows,
 ) -> np.ndarray:
     """``[M, B*S, K]`` float32 batch-major engine weights of the mapped positions; 0 where
-    ``valid`` (batch-major: real routes) or ``replay`` (the replay mask) is False. Raises
-    :class:`MissingWeightsError` for a record without them that such rows read."""
+    ``rows`` (batch-major) is not valid or not replayed. Raises :class:`MissingWeightsError`
+    for a record without them that such rows read."""
+    valid, replay, top_k = rows.valid, rows.replay, rows.experts.shape[2]
     # Own-routing rows keep the router's probabilities: their records need no weights.
     valid = valid if replay is None else valid & replay
     rec = pmap.record.reshape(-1)
