@@ -26,7 +26,7 @@ from ._keys import DEFAULT_BLOCK_SIZE, DEFAULT_TTL_S, KeySchema, validate_route_
 from ._layout import PutResult, StoredRecord
 from ._limits import ReadLimits, decoded_bytes
 from ._load import UNKNOWN_VERSION, expert_counts, layer_counts, load_figures
-from ._record import RouteRecord, WeightSpan, expert_dtype
+from ._record import EngineRoutes, RouteRecord, WeightSpan, expert_dtype
 from ._store import MIN_REDIS_VERSION, AsyncRouteStore, RouteStore
 from ._threads import default_decode_threads
 
@@ -40,6 +40,7 @@ __all__ = [
     "UNKNOWN_VERSION",
     "AsyncRouteStore",
     "AsyncRoutesClient",
+    "EngineRoutes",
     "KeySchema",
     "PutResult",
     "RawBatch",

@@ -15,7 +15,7 @@ from ._weights import check_weights
 
 _U32_MAX = (1 << 32) - 1  # token ids are stored as uint32
 
-__all__ = ["RouteRecord", "WeightSpan", "expert_dtype"]
+__all__ = ["EngineRoutes", "RouteRecord", "WeightSpan", "expert_dtype"]
 
 
 class WeightSpan(NamedTuple):
@@ -45,6 +45,66 @@ def expert_dtype(num_experts: int) -> np.dtype:
     if num_experts <= 65536:
         return np.dtype(np.uint16)
     raise RouteShapeError(f"num_experts={num_experts} exceeds 65536, the widest supported id")
+
+
+@dataclass(frozen=True)
+class EngineRoutes:
+    """One completion's routes as an engine returns them.
+
+    ``routed_experts`` is vLLM's ``CompletionOutput.routed_experts``: ``[R, num_layers, K]``
+    covering token rows ``row_start .. row_start + R`` (vLLM returns ``T - 1`` rows: the last
+    sampled token is never routed), dense layers all zero. ``routed_weights``: ``[R, num_layers,
+    K]`` float32 (or float16) routing weights in the same rows, layers and slots, each exactly a
+    ``weights_dtype`` value.
+    """
+
+    routed_experts: np.ndarray
+    row_start: int = 0
+    routed_weights: np.ndarray | None = None
+    weights_dtype: str | None = None
+
+    def rows(
+        self, T: int, moe: tuple[int, ...], num_layers: int | None, num_experts: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """``(experts [T, M, K], valid [T], weights [T, M, K] or None)`` of a record of ``T``
+        tokens whose MoE layers are ``moe``; :class:`RouteShapeError` for what does not fit."""
+        arr, row_start = np.asarray(self.routed_experts), self.row_start
+        if arr.ndim != 3:
+            raise RouteShapeError(f"routed_experts must be [rows, layers, top_k], got {arr.shape}")
+        L = arr.shape[1] if num_layers is None else num_layers
+        if arr.shape[1] != L:
+            raise RouteShapeError(f"routed_experts has {arr.shape[1]} layers, model has {L}")
+        R = arr.shape[0]
+        if row_start < 0 or row_start + R > T:
+            raise RouteShapeError(
+                f"routed_experts rows [{row_start}, {row_start + R}) exceed the {T} tokens"
+            )
+        if any(not 0 <= x < L for x in moe):
+            raise RouteShapeError(f"moe_layers {list(moe)} out of range for {L} layers")
+        dense = sorted(set(range(L)) - set(moe))
+        if dense and R and np.any(arr[:, dense, :]):
+            raise RouteShapeError(
+                f"layers {dense} are marked dense but the engine returned non-zero experts there"
+            )
+        routed = arr[:, list(moe), :]
+        _check_engine_ids(routed, num_experts)
+        experts = np.zeros((T, len(moe), arr.shape[2]), dtype=expert_dtype(num_experts))
+        experts[row_start : row_start + R] = routed
+        valid = np.zeros(T, dtype=bool)
+        valid[row_start : row_start + R] = True
+        return experts, valid, self._weights(arr.shape, experts.shape, moe)
+
+    def _weights(
+        self, shape: tuple[int, ...], out: tuple[int, ...], moe: tuple[int, ...]
+    ) -> np.ndarray | None:
+        if self.routed_weights is None:
+            return None
+        rw = np.asarray(self.routed_weights)
+        if rw.shape != shape:
+            raise RouteShapeError(f"routed_weights {rw.shape} != routed_experts {shape}")
+        weights = np.zeros(out, dtype=np.float32)
+        weights[self.row_start : self.row_start + shape[0]] = rw[:, list(moe), :]
+        return weights
 
 
 @dataclass(eq=False)
@@ -241,7 +301,7 @@ class RouteRecord:
     @classmethod
     def from_engine(
         cls,
-        routed_experts: np.ndarray,
+        routes: EngineRoutes | np.ndarray,
         token_ids: Sequence[int] | np.ndarray,
         *,
         prompt_len: int,
@@ -249,64 +309,28 @@ class RouteRecord:
         moe_layers: Sequence[int],
         num_layers: int | None = None,
         num_cached_tokens: int = 0,
-        row_start: int = 0,
         model: str = "",
         metadata: Mapping[str, Any] | None = None,
         weight_versions: Sequence[tuple[str, int, int]] = (),
-        routed_weights: np.ndarray | None = None,
-        weights_dtype: str | None = None,
     ) -> RouteRecord:
-        """Build a record from an engine's ``routed_experts`` array.
+        """Build a record of ``token_ids`` from what an engine returned for them
+        (:class:`EngineRoutes`, or its ``routed_experts`` array alone: rows from 0, no weights).
 
-        ``routed_experts`` is vLLM's ``CompletionOutput.routed_experts``: ``[R, num_layers, K]``
-        covering token rows ``row_start .. row_start + R`` (vLLM returns ``T - 1`` rows: the last
-        sampled token is never routed). Dense layers come back as all-zero rows; they are dropped
-        by ``moe_layers`` (global indices), never by an offset. Rows the engine did not return are
-        marked invalid. ``weight_versions``: row spans (see :class:`WeightSpan`).
-        ``routed_weights``: ``[R, num_layers, K]`` float32 (or float16) routing weights in the same
-        rows, layers and slots, each exactly a ``weights_dtype`` value (dense layers dropped).
+        Dense layers come back as all-zero rows; they are dropped by ``moe_layers`` (global
+        indices), never by an offset. Rows the engine did not return are marked invalid.
+        ``weight_versions``: row spans (see :class:`WeightSpan`).
         """
-        arr = np.asarray(routed_experts)
+        if not isinstance(routes, EngineRoutes):
+            routes = EngineRoutes(routes)
         tok = np.asarray(token_ids, dtype=np.int64)
-        T = tok.shape[0]
-        if arr.ndim != 3:
-            raise RouteShapeError(f"routed_experts must be [rows, layers, top_k], got {arr.shape}")
-        L = arr.shape[1] if num_layers is None else num_layers
-        if arr.shape[1] != L:
-            raise RouteShapeError(f"routed_experts has {arr.shape[1]} layers, model has {L}")
-        R = arr.shape[0]
-        if row_start < 0 or row_start + R > T:
-            raise RouteShapeError(
-                f"routed_experts rows [{row_start}, {row_start + R}) exceed the {T} tokens"
-            )
         moe = tuple(int(x) for x in moe_layers)
-        if any(not 0 <= x < L for x in moe):
-            raise RouteShapeError(f"moe_layers {list(moe)} out of range for {L} layers")
-        dense = sorted(set(range(L)) - set(moe))
-        if dense and R and np.any(arr[:, dense, :]):
-            raise RouteShapeError(
-                f"layers {dense} are marked dense but the engine returned non-zero experts there"
-            )
-        dt = expert_dtype(num_experts)
-        routed = arr[:, list(moe), :]
-        _check_engine_ids(routed, num_experts)
-        experts = np.zeros((T, len(moe), arr.shape[2]), dtype=dt)
-        experts[row_start : row_start + R] = routed
-        valid = np.zeros(T, dtype=bool)
-        valid[row_start : row_start + R] = True
-        weights = None
-        if routed_weights is not None:
-            rw = np.asarray(routed_weights)
-            if rw.shape != arr.shape:
-                raise RouteShapeError(f"routed_weights {rw.shape} != routed_experts {arr.shape}")
-            weights = np.zeros(experts.shape, dtype=np.float32)
-            weights[row_start : row_start + R] = rw[:, list(moe), :]
+        experts, valid, weights = routes.rows(tok.shape[0], moe, num_layers, num_experts)
         return cls(
             token_ids=tok,
             experts=experts,
             valid=valid,
             moe_layers=moe,
-            num_layers=L,
+            num_layers=routes.routed_experts.shape[1] if num_layers is None else num_layers,
             num_experts=num_experts,
             prompt_len=prompt_len,
             num_cached_tokens=num_cached_tokens,
@@ -314,7 +338,7 @@ class RouteRecord:
             metadata=dict(metadata or {}),
             weight_versions=tuple(weight_versions),
             weights=weights,
-            weights_dtype=weights_dtype,
+            weights_dtype=routes.weights_dtype if weights is not None else None,
         )
 
     # -- slicing and comparison -------------------------------------------------------------------

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from routereplay.client import AsyncRouteStore, RouteError, RouteRecord
+from routereplay.client import AsyncRouteStore, EngineRoutes, RouteError, RouteRecord
 
 from .engine import ChoiceFinished
 from .errors import redact
@@ -90,25 +90,20 @@ class RouteCapture:
         """The record of one choice: tokens ``[T]`` = prompt + completion, experts of MoE layers."""
         info = self.info
         T = len(prompt_token_ids) + len(fin.output_token_ids)
-        # Only with weights: a record without them is built as before weights existed.
-        weights = (
-            {}
-            if fin.routed_weights is None
-            else {"routed_weights": fin.routed_weights, "weights_dtype": fin.weights_dtype}
+        routes = EngineRoutes(
+            fin.routed_experts, fin.routes_row_start, fin.routed_weights, fin.weights_dtype
         )
         return RouteRecord.from_engine(
-            fin.routed_experts,
+            routes,
             np.asarray(prompt_token_ids + fin.output_token_ids, dtype=np.int64),
             prompt_len=len(prompt_token_ids),
             num_experts=info.num_experts,
             moe_layers=info.moe_layers,
             num_layers=info.num_layers,
             num_cached_tokens=min(fin.num_cached_tokens, len(prompt_token_ids)),
-            row_start=fin.routes_row_start,
             model=info.name,
             metadata={"request_id": request_id, "choice": fin.index, "finish": fin.finish_reason},
             weight_versions=row_spans(fin.weight_versions, len(prompt_token_ids), T),
-            **weights,
         )
 
     async def _fill(

@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from routereplay.client import (
+    EngineRoutes,
     RouteCorruptError,
     RouteRecord,
     RouteShapeError,
@@ -142,11 +143,18 @@ def test_from_engine_takes_routed_weights() -> None:
     full_ex = np.zeros((T - 1, L, K), np.int64)
     full_w = np.zeros((T - 1, L, K), np.float32)
     full_ex[:, list(MOE)], full_w[:, list(MOE)] = ex, w
-    rec = RouteRecord.from_engine(
-        full_ex, np.arange(T), prompt_len=5, num_experts=E, moe_layers=MOE,
-        routed_weights=full_w, weights_dtype="bfloat16",
-    )  # fmt: skip
+    routes = EngineRoutes(full_ex, routed_weights=full_w, weights_dtype="bfloat16")
+    rec = RouteRecord.from_engine(routes, np.arange(T), prompt_len=5, num_experts=E, moe_layers=MOE)
     assert bits_equal(rec.weights[: T - 1], w) and not rec.weights[-1].any()
+    assert rec.weights_dtype == "bfloat16" and rec.valid[: T - 1].all() and not rec.valid[-1]
+    # From row 3 (an engine that skipped a cached prefix): those rows invalid, weights 0 there.
+    late = EngineRoutes(full_ex[3:], 3, full_w[3:], "bfloat16")
+    rec = RouteRecord.from_engine(late, np.arange(T), prompt_len=5, num_experts=E, moe_layers=MOE)
+    assert not rec.valid[:3].any() and not rec.weights[:3].any()
+    assert bits_equal(rec.weights[3 : T - 1], w[3:])
+    with pytest.raises(RouteShapeError, match=r"routed_weights \(8, 4, 4\) != routed_experts"):
+        RouteRecord.from_engine(EngineRoutes(full_ex, routed_weights=full_w[:8]), np.arange(T),
+                                prompt_len=5, num_experts=E, moe_layers=MOE)  # fmt: skip
 
 
 def test_slicing_keeps_weights() -> None:
