@@ -116,3 +116,19 @@ def test_vllm_is_imported_only_in_its_rooms() -> None:
     ]
     assert not found, f"vLLM imported outside service/engines and service/vllm_patches: {found}"
     assert _vllm_imports(ROOT / "service" / "engines" / "vllm.py")  # the check sees imports
+
+
+def test_tooling_modules_share_only_public_names() -> None:
+    # The benchmarks and experiments are standalone tools: what one lends another is a public
+    # name of its module, so a private helper can change without breaking a sibling.
+    problems = []
+    for d in ("routereplay/bench", "routereplay/experiments"):
+        for f in sorted((ROOT / d).glob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.ImportFrom) and (
+                    node.level or "routereplay" in (node.module or "")
+                ):
+                    private = [a.name for a in node.names if a.name.startswith("_")]
+                    if private and not (node.module or "").endswith("__future__"):
+                        problems.append(f"{f.relative_to(ROOT)}:{node.lineno}: {private}")
+    assert not problems, "\n".join(problems)

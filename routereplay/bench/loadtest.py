@@ -38,7 +38,7 @@ _WORDS = (
 
 
 @dataclass
-class _Sent:
+class SentRoute:
     route_id: str
     handle: dict[str, Any]
     token_ids: list[int]
@@ -101,7 +101,7 @@ def _body(rng: random.Random, model: str, args: argparse.Namespace, i: int) -> t
     return "/v1/completions", {**common, "prompt": words}
 
 
-def _parse(resp: httpx.Response, stream: bool) -> tuple[list[_Sent], int]:
+def _parse(resp: httpx.Response, stream: bool) -> tuple[list[SentRoute], int]:
     """The routes a response reports (handle + tokens per choice) and its completion tokens."""
     if not stream:
         body = resp.json()
@@ -110,7 +110,7 @@ def _parse(resp: httpx.Response, stream: bool) -> tuple[list[_Sent], int]:
         for c in body["choices"]:
             p = prompt if prompt is not None else c["prompt_token_ids"]
             h = c["routed_experts"]
-            out.append(_Sent(h["route_id"], h, list(p) + list(c["token_ids"])))
+            out.append(SentRoute(h["route_id"], h, list(p) + list(c["token_ids"])))
         return out, int(body["usage"]["completion_tokens"])
     prompt: dict[int, list[int]] = {}
     toks: dict[int, list[int]] = {}
@@ -134,11 +134,11 @@ def _parse(resp: httpx.Response, stream: bool) -> tuple[list[_Sent], int]:
             toks.setdefault(i, []).extend(c.get("token_ids") or [])
             if c.get("routed_experts") is not None:
                 handles[i] = c["routed_experts"]
-    out = [_Sent(h["route_id"], h, prompt[i] + toks[i]) for i, h in sorted(handles.items())]
+    out = [SentRoute(h["route_id"], h, prompt[i] + toks[i]) for i, h in sorted(handles.items())]
     return out, usage
 
 
-def _check(sent: _Sent, rec: RouteRecord) -> str | None:
+def check_route(sent: SentRoute, rec: RouteRecord) -> str | None:
     h = sent.handle
     if rec.num_tokens != h["num_rows"]:
         return f"{sent.route_id}: {rec.num_tokens} rows, the handle said {h['num_rows']}"
@@ -158,7 +158,7 @@ async def run_load(args: argparse.Namespace) -> LoadReport:
         max_connections=args.concurrency, max_keepalive_connections=args.concurrency
     )
     report = LoadReport()
-    sent: list[_Sent] = []
+    sent: list[SentRoute] = []
     rng = random.Random(args.seed)
     async with httpx.AsyncClient(
         base_url=args.url, headers=headers, timeout=args.timeout, limits=limits
@@ -224,7 +224,7 @@ async def run_load(args: argparse.Namespace) -> LoadReport:
                 if isinstance(rec, RouteError):
                     report.routes_lost += 1
                     report.problems.append(f"{s.route_id}: {rec}")
-                elif (problem := _check(s, rec)) is not None:
+                elif (problem := check_route(s, rec)) is not None:
                     report.routes_wrong += 1
                     report.problems.append(problem)
                 else:

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from routereplay.bench.store import SHAPES, Shape, make_record, skewed_routes_many
-from routereplay.bench.trainer import _redis_cpu_s
+from routereplay.bench.trainer import redis_cpu_s
 
 __all__ = ["main", "measure", "parse_args"]
 
@@ -299,7 +299,7 @@ def run_row(
     deadline = time.monotonic() + args.timeout_s
     with _cluster_client(url) as client, _running(procs):
         _collect(results, writers + readers, procs, deadline)  # every one is ready
-        cpu0 = _redis_cpu_s(client)
+        cpu0 = redis_cpu_s(client)
         t0 = time.monotonic()
         start.set()
         w = _collect(results, writers, procs, deadline)
@@ -311,7 +311,7 @@ def run_row(
             handoff.put(None)
         r = _collect(results, readers, procs, deadline)
         wall = time.monotonic() - t0
-        cpu1 = _redis_cpu_s(client)
+        cpu1 = redis_cpu_s(client)
     redis_cpu = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
     return summarise_row(work, w, r, wall, redis_cpu)
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from routereplay.client import RouteError, RouteRecord, RouteStore
 
-from .loadtest import _check, _Sent
+from .loadtest import SentRoute, check_route
 from .serving_load import Choice
 
 __all__ = ["RouteTally", "check_handles", "check_inline", "compare_rows", "group_cpu_s",
@@ -176,7 +176,7 @@ def _wrong(c: Choice, rec: RouteRecord, layers: int, top_k: int) -> str | None:
     token ids, valid rows and layout as the handle says), then against the model's layout;
     named by route id."""
     rid = c.route["route_id"]
-    why = _check(_Sent(rid, c.route, c.prompt_ids + c.token_ids), rec)
+    why = check_route(SentRoute(rid, c.route, c.prompt_ids + c.token_ids), rec)
     if why is None and (len(rec.moe_layers) != layers or rec.top_k != top_k):
         why = f"{rid}: layout {len(rec.moe_layers)} x top-{rec.top_k}, expected {layers} x {top_k}"
     return why

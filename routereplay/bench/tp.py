@@ -48,12 +48,12 @@ def _records_args(args: argparse.Namespace) -> argparse.Namespace:
 def _store(url: str, args: argparse.Namespace, work: Path) -> None:
     from routereplay.client import RouteStore
 
-    from .trainer import _make_records, _put
+    from .trainer import make_records, put_records
 
-    records, _ = _make_records(np.random.default_rng(args.seed), _records_args(args))
+    records, _ = make_records(np.random.default_rng(args.seed), _records_args(args))
     ids = [f"tp-{i}" for i in range(len(records))]
     with RouteStore.from_url(url, prefix="rrbench") as store:
-        _put(store, ids, records)
+        put_records(store, ids, records)
     (work / "ids.json").write_text(json.dumps(ids))
 
 

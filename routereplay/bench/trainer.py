@@ -43,7 +43,11 @@ if TYPE_CHECKING:
 __all__ = ["main"]
 
 
-def _make_records(rng, args):
+def make_records(
+    rng: np.random.Generator, args: argparse.Namespace
+) -> tuple[list[RouteRecord], int]:
+    """The benchmark's records (GRPO groups sharing a prompt, shapes from ``args``) and how many
+    groups they form."""
     from routereplay.client import RouteRecord
 
     M, E, K = args.layers, args.experts, args.topk
@@ -165,14 +169,14 @@ def run(url: str, args) -> dict:
 
     torch.set_num_threads(1)
     rng = np.random.default_rng(args.seed)
-    records, groups = _make_records(rng, args)
+    records, groups = make_records(rng, args)
     n_tokens = sum(r.num_tokens for r in records)
     ids = [f"bench-{i}" for i in range(len(records))]
     store = RouteStore.from_url(
         url, prefix="rrbench", decode_threads=args.decode_threads, block_size=args.block_size
     )
     m: dict[str, Any] = {"tokens": n_tokens, "records": len(records), "groups": groups}
-    m["put_s"] = _put(store, ids, records)
+    m["put_s"] = put_records(store, ids, records)
     steps = _Steps(store, ids, records, args.layers, args.step_device)
     m["fetch_decode_s"], recs = _timeit(steps.fetch, args.repeat)
     m["align_check_s"], pm = _timeit(lambda: steps.align(recs), args.repeat)
@@ -384,7 +388,7 @@ class _Floor:
         return raw, blob
 
 
-def _put(store: RouteStore, ids: list[str], records: list[RouteRecord]) -> float:
+def put_records(store: RouteStore, ids: list[str], records: list[RouteRecord]) -> float:
     """Seconds to store ``records`` under ``ids`` (setup, not per step)."""
     t0 = time.perf_counter()
     for i, r in zip(ids, records, strict=True):
@@ -515,7 +519,7 @@ def _compute(seconds: float, device: str = "cpu") -> None:
             torch.cuda.synchronize()
 
 
-def _redis_cpu_s(client: object) -> float | None:
+def redis_cpu_s(client: object) -> float | None:
     """The redis-server's CPU seconds so far (``INFO cpu``: user + system, all its threads; a
     cluster's: every node's together), or None where the server will not say (a proxy may
     refuse INFO)."""
@@ -544,12 +548,12 @@ def _cpu_per_call(fn: Callable[[], object], n: int, client: object) -> tuple[flo
     over every core (``run`` prints that bound)."""
     best: tuple[float, float | None] | None = None
     for _ in range(n):
-        r0 = _redis_cpu_s(client)
+        r0 = redis_cpu_s(client)
         p0 = time.process_time()
         out = fn()
         proc = time.process_time() - p0
         del out  # a call's targets go back to the pool before the next call takes one
-        r1 = _redis_cpu_s(client)
+        r1 = redis_cpu_s(client)
         red = None if r0 is None or r1 is None else r1 - r0
         if best is None or proc + (red or 0.0) < best[0] + (best[1] or 0.0):
             best = (proc, red)

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import zstandard
 
-from routereplay.bench.trainer import _make_records
+from routereplay.bench.trainer import make_records
 from routereplay.client import RouteStore
 from routereplay.client._chunks import _HEAD, decode_chunks
 from routereplay.local_redis import redis_server
@@ -64,7 +64,7 @@ def main() -> None:
     a = argparse.Namespace(tokens=262_144, layers=48, experts=128, topk=8, prompt_len=1024,
                            completion_len=2048, group=8, seed=0,
                            routes=os.environ.get("DIAG_ROUTES", "skewed"))  # fmt: skip
-    records, _ = _make_records(np.random.default_rng(0), a)
+    records, _ = make_records(np.random.default_rng(0), a)
     ids = [f"b{i}" for i in range(len(records))]
     with redis_server() as url:
         store = RouteStore.from_url(url, prefix="scaling", decode_threads=1)

@@ -78,21 +78,21 @@ def test_the_skewed_workload_keeps_its_model() -> None:
 def test_redis_cpu_counts_every_server(redis_url, redis_cluster_url) -> None:
     # The bench's CPU line reads the redis-server's CPU from INFO: a number that grows as the
     # server works, and for a cluster every node's (a cluster client's INFO asks one node).
-    from routereplay.bench.trainer import _redis_cpu_s
+    from routereplay.bench.trainer import redis_cpu_s
     from routereplay.client import RouteStore
 
     store = RouteStore.from_url(redis_url, prefix="cpu-info")
-    a = _redis_cpu_s(store.redis)
+    a = redis_cpu_s(store.redis)
     for _ in range(200):
         store.exists("nothing-here")
-    b = _redis_cpu_s(store.redis)
+    b = redis_cpu_s(store.redis)
     assert a is not None and b is not None and b > a
     store.close()
     cluster = RouteStore.from_url(redis_cluster_url, prefix="cpu-info", cluster=True)
-    total = _redis_cpu_s(cluster.redis)
+    total = redis_cpu_s(cluster.redis)
     nodes = cluster.redis.get_nodes()
     singles = [redis.Redis(host=n.host, port=n.port) for n in nodes]
-    one = max(_redis_cpu_s(r) or 0.0 for r in singles)
+    one = max(redis_cpu_s(r) or 0.0 for r in singles)
     for r in singles:
         r.close()
     assert len(nodes) == 3 and total is not None and total > one > 0
