@@ -18,10 +18,38 @@ pytest_plugins = ["engines"]
 _SLOW_MARKS = ("vllm", "megatron")
 
 
+# The run is split over pytest-xdist workers (``-n 2 --dist loadgroup``, pyproject.toml) by
+# module: a module's own engines and fixtures live in one worker. The modules that use the
+# session's shared engines (tests/engines.py) form one group, so one worker runs them all and
+# those engines start once; it goes first, and the other worker takes the remaining modules,
+# the heaviest tiers first, so that both finish near the same time.
+SESSION_ENGINES_GROUP = "session-engines"
+_FIRST_TIERS = ("tests/service/", "tests/trainer/")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    from engines import uses_session_engines  # here: the plugin is registered (and rewritten)
+
     for item in items:
         if any(item.get_closest_marker(m) for m in _SLOW_MARKS):
             item.add_marker(pytest.mark.slow)
+    shared = {_module(i) for i in items if uses_session_engines(i)}
+    for item in items:
+        m = _module(item)
+        item.add_marker(pytest.mark.xdist_group(SESSION_ENGINES_GROUP if m in shared else m))
+
+    def rank(item: pytest.Item) -> int:
+        m = _module(item)
+        if m in shared:
+            return 0
+        return next((1 + k for k, t in enumerate(_FIRST_TIERS) if m.startswith(t)), 9)
+
+    items.sort(key=rank)  # stable: within a rank, collection order
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ beside the engine-free tests; a test that uses one waits until it is ready.
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -149,17 +150,37 @@ def launch(spec: tuple[Server, Service]) -> Iterator[Launched]:
 EARLY = ("service_engine", "rl_service_engine")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def start_engines_early(request: pytest.FixtureRequest) -> None:
-    """Start the session's engines that a collected test needs, before the first test: a start
-    takes ~30 s, mostly on one core, which the engine-free tests that run first leave idle."""
-    wanted = set().union(*(item.fixturenames for item in request.session.items))
+def uses_session_engines(item: pytest.Item) -> bool:
+    """Whether ``item`` needs one of the session's shared engines."""
+    return any(name in item.fixturenames for name in EARLY)
+
+
+def _launch_early(request: pytest.FixtureRequest, items: list[pytest.Item]) -> None:
+    """Start (not wait for) the session's engines that one of ``items`` needs."""
+    wanted = set().union(*(item.fixturenames for item in items))
     for name in EARLY:
         if name in wanted:
             # A start that fails here fails again, the same way, in each test that uses it
             # (pytest keeps a session fixture's error): the first test, whatever it is, runs.
             with contextlib.suppress(Exception, pytest.skip.Exception, pytest.fail.Exception):
                 request.getfixturevalue(name)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def start_engines_early(request: pytest.FixtureRequest) -> None:
+    """Start the session's engines that a collected test needs, before the first test: a start
+    takes ~30 s, mostly on one core, which the engine-free tests that run first leave idle.
+    Under pytest-xdist a worker learns which tests it runs only as they come: the worker that
+    receives the session-engine group starts both engines at its first test of it."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        _launch_early(request, request.session.items)
+
+
+@pytest.fixture(autouse=True)
+def _start_engines_with_their_group(request: pytest.FixtureRequest) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None and uses_session_engines(request.node):
+        group = [i for i in request.session.items if uses_session_engines(i)]
+        _launch_early(request, group)
 
 
 @pytest.fixture(scope="session")

@@ -21,10 +21,13 @@ newest.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -44,11 +47,21 @@ def release_path(version: str) -> Path:
     """A directory holding exactly megatron-core ``version`` (installed once per machine)."""
     target = CACHE / "megatron-core" / version
     if not (target / "megatron" / "core" / "package_info.py").is_file():
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
-             "--target", str(target), f"megatron-core=={version}"],
-            check=True,
-        )  # fmt: skip
+        # Installed aside and renamed: two test workers may want the same release at once.
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=target.parent))
+        try:
+            subprocess.run(
+                [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+                 "--target", str(tmp), f"megatron-core=={version}"],
+                check=True,
+            )  # fmt: skip
+            if not (target / "megatron" / "core" / "package_info.py").is_file():
+                shutil.rmtree(target, ignore_errors=True)  # a half install of an older run
+                with contextlib.suppress(OSError):  # another worker renamed its copy first
+                    tmp.rename(target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
