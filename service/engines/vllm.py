@@ -195,7 +195,7 @@ class VllmBackend(EngineBackend):
             # Set before the engine core starts: its processes inherit this environment.
             os.environ.setdefault(k, v)
         if cpu:
-            from .cpu_setup import is_installed, set_omp_threads_bind
+            from ..vllm_patches.cpu_setup import is_installed, set_omp_threads_bind
 
             if not is_installed():
                 raise StartupRefused(
