@@ -12,7 +12,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import logging
+import re
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +44,9 @@ from ..protocol import (
     TokenizeResponse,
 )
 
-__all__ = ["UpstreamBackend", "UpstreamError"]
+__all__ = ["UpstreamBackend", "UpstreamError", "UpstreamRelease"]
+
+log = logging.getLogger("routereplay.service")
 
 # routereplay's own request fields; the upstream would reject or misread them.
 _OWN_FIELDS = ("return_routed_experts", "routed_experts_weights", "stream", "stream_options")
@@ -61,6 +66,42 @@ class UpstreamError(ServiceError):
         )
         self.status_code = status_code
         self.type = str(err.get("type") or "upstream_error")
+
+
+@dataclass(frozen=True)
+class UpstreamRelease:
+    """What the upstream vLLM server handles, read from it at start: its ``/version``; whether
+    it honours ``routed_experts_prompt_start`` (vLLM 0.28 and later: an older one returns every
+    row, which stored from the asked row would be shifted); whether it serves the RL routes
+    (only under ``VLLM_SERVER_DEV_MODE=1``)."""
+
+    version: str
+    prompt_start: bool
+    rl_api: bool
+
+    def limits(self) -> list[str]:
+        """One line per feature this upstream lacks, for the start-up log."""
+        out = []
+        if not self.prompt_start:
+            out.append(
+                f"upstream vLLM {self.version} predates routed_experts_prompt_start (0.28): it "
+                "is not forwarded, and those requests store every row from row 0"
+            )
+        if not self.rl_api:
+            out.append(
+                f"upstream vLLM {self.version} serves no RL API (start it with "
+                "VLLM_SERVER_DEV_MODE=1): the RL routes answer 400 not_supported"
+            )
+        return out
+
+
+# The first release whose server honours routed_experts_prompt_start.
+PROMPT_START_SINCE = (0, 28)
+
+
+def _release_tuple(version: str) -> tuple[int, int] | None:
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return None if m is None else (int(m.group(1)), int(m.group(2)))
 
 
 def _load_config(path: str) -> Any:
@@ -92,6 +133,7 @@ class UpstreamBackend(EngineBackend):
         self.timeout_s = timeout_s
         self.client: httpx.AsyncClient | None = None
         self.upstream_model = ""
+        self.release = UpstreamRelease("unknown", prompt_start=False, rl_api=False)
         self._rl = _UpstreamRL(self)
 
     @property
@@ -113,6 +155,9 @@ class UpstreamBackend(EngineBackend):
             raise RuntimeError(f"upstream {self.url} /v1/models failed: {e!r}") from e
         m = r.json()["data"][0]
         self.upstream_model = m["id"]
+        self.release = await self._probe()
+        for line in self.release.limits():
+            log.warning("%s", line)
         # The upstream does not publish the layer layout; read the model's config (the path the
         # upstream loaded, when it is on this host, or the one configured).
         cfg_path = self.model_config_path or m.get("root") or m["id"]
@@ -127,6 +172,23 @@ class UpstreamBackend(EngineBackend):
             max_model_len=int(m.get("max_model_len") or 0) or (1 << 30),
             root=m.get("root"),
         )
+
+    async def _probe(self) -> UpstreamRelease:
+        """The upstream's release and what it serves. A version it does not report (no
+        ``/version``, or not a release number) is taken as one that has neither feature."""
+        assert self.client is not None
+        version = "unknown"
+        try:
+            r = await self.client.get("/version", timeout=10.0)
+            if r.status_code == 200:
+                version = str(r.json().get("version") or "unknown")
+            # Any answer but 404 (an auth error included) means the route exists.
+            rl_api = (await self.client.get("/is_paused", timeout=10.0)).status_code != 404
+        except (httpx.HTTPError, ValueError, AttributeError) as e:
+            raise RuntimeError(f"upstream {self.url} /version failed: {e!r}") from e
+        release = _release_tuple(version)
+        prompt_start = release is not None and release >= PROMPT_START_SINCE
+        return UpstreamRelease(version, prompt_start=prompt_start, rl_api=rl_api)
 
     async def close(self) -> None:
         if self.client is not None:
@@ -180,6 +242,8 @@ class UpstreamBackend(EngineBackend):
                 code="unsupported",
             )
         body = {k: v for k, v in req.model_dump(exclude_unset=True).items() if k not in _OWN_FIELDS}
+        if not self.release.prompt_start:
+            body.pop("routed_experts_prompt_start", None)  # ignored there: every row comes back
         body["model"] = self.upstream_model
         return body
 
@@ -240,7 +304,7 @@ class UpstreamBackend(EngineBackend):
                 code="upstream_incompatible",
             )
         yield PromptRendered(prompt_token_ids=list(prompt_ids))
-        row_start = req.request.routed_experts_prompt_start
+        asked = req.request.routed_experts_prompt_start if self.release.prompt_start else 0
         for c in choices:
             out_ids = list(c.get("token_ids") or [])
             yield ChoiceDelta(
@@ -250,10 +314,18 @@ class UpstreamBackend(EngineBackend):
                 raw_logprobs=c.get("logprobs"),
             )
             b64 = c.get("routed_experts")
-            arr = None
+            arr, row_start, error = None, asked, None
             if b64:
                 # A long sequence's inline array is MBs of base64: decode off the event loop.
                 arr = await asyncio.to_thread(_decode_npy, b64)
+                T = len(prompt_ids) + len(out_ids)
+                row_start, error = _first_row(arr.shape[0], T, asked)
+                arr = None if error is not None else arr
+            else:
+                error = (
+                    "the upstream returned no routed_experts (is it started with "
+                    "--enable-return-routed-experts?)"
+                )
             yield ChoiceFinished(
                 index=c["index"],
                 finish_reason=c.get("finish_reason") or "stop",
@@ -262,14 +334,24 @@ class UpstreamBackend(EngineBackend):
                 num_cached_tokens=int(cached),
                 routed_experts=arr,
                 routes_row_start=row_start,
-                routes_error=None
-                if b64
-                else (
-                    "the upstream returned no routed_experts (is it started with "
-                    "--enable-return-routed-experts?)"
-                ),
+                routes_error=error,
                 weight_versions=None if version is None else [(version, 0, max(len(out_ids), 1))],
             )
+
+
+def _first_row(rows: int, T: int, asked: int) -> tuple[int, str | None]:
+    """The token row the upstream's ``rows`` routes start at, for a sequence of ``T`` tokens
+    whose routes were asked from row ``asked``: vLLM returns rows ``asked .. T - 1`` (the last
+    token is never routed). Every row instead (an upstream that ignored the field): row 0. Any
+    other count is no layout vLLM returns, and fails the route rather than store it shifted."""
+    if rows == T - 1 - asked:
+        return asked, None
+    if asked and rows == T - 1:
+        return 0, None
+    return asked, (
+        f"the upstream returned {rows} rows of routes for {T} tokens from row {asked} "
+        f"(vLLM returns {max(T - 1 - asked, 0)}): not stored, since no row could be placed"
+    )
 
 
 def _chat_text(choice: dict[str, Any]) -> str | None:
@@ -292,6 +374,11 @@ class _UpstreamRL(RLControl):
 
     async def _call(self, method: str, path: str, **kw: Any) -> Any:
         assert self.b.client is not None
+        if not self.b.release.rl_api:
+            raise NotImplementedError(
+                f"the upstream vLLM {self.b.release.version} serves no RL API: start it with "
+                "VLLM_SERVER_DEV_MODE=1"
+            )
         try:
             r = await self.b.client.request(method, path, **kw)
         except httpx.HTTPError as e:

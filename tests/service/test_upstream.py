@@ -94,11 +94,14 @@ def upstream(upstream_server: Upstream) -> Upstream:
 
 
 @pytest.fixture(scope="module")
-def front_server(
-    upstream_server: Upstream, redis_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
+def front_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("front") / "serve.log"
+
+
+@pytest.fixture(scope="module")
+def front_server(upstream_server: Upstream, redis_url: str, front_log: Path) -> Iterator[str]:
     port = free_port()
-    log = tmp_path_factory.mktemp("front") / "serve.log"
+    log = front_log
     argv = [
         sys.executable, "-m", "routereplay.cli", "serve", "--backend", "upstream",
         "--upstream-url", upstream_server.url, "--port", str(port),
@@ -119,6 +122,14 @@ def route(front: str, route_id: str):
     r = httpx.get(f"{front}/v1/routes/{route_id}", timeout=30)
     assert r.status_code == 200, r.text
     return decode_record(r.content)
+
+
+def test_the_front_says_what_its_upstream_lacks(front: str, front_log: Path) -> None:
+    """vLLM's server without VLLM_SERVER_DEV_MODE=1 has no RL routes: the front reads that at
+    start and says it in one line; the installed release honours routed_experts_prompt_start."""
+    log = front_log.read_text()
+    assert "serves no RL API (start it with VLLM_SERVER_DEV_MODE=1)" in log, log[-2000:]
+    assert "predates routed_experts_prompt_start" not in log
 
 
 def test_models_report_dense_layout(front: str) -> None:
