@@ -387,12 +387,15 @@ def run_trainer_hf(rollouts: dict[str, Any], *, device: str = "cpu") -> dict[str
     model.set_attn_implementation("sdpa")
     routers = find_hf_routers(model)
     layers = tuple(r.layer for r in routers)
-    seen: dict[int, torch.Tensor] = {}
-    for r in routers:  # the experts each MoE block actually used
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for r in routers:  # the experts each MoE block actually used, and their weights
         block = model.get_submodule(r.name.rsplit(".", 1)[0])
         block.experts.register_forward_pre_hook(
-            lambda m, a, layer=r.layer: seen.__setitem__(layer, a[1].detach().cpu())
+            lambda m, a, layer=r.layer: seen.__setitem__(
+                layer, (a[1].detach().cpu(), a[2].detach().float().cpu())
+            )
         )
+    engine_w = all(r.weights is not None for r in records)
     results: dict[str, Any] = {
         "dtype": rollouts["dtype"],
         "trainer": "hf",
@@ -401,9 +404,9 @@ def run_trainer_hf(rollouts: dict[str, Any], *, device: str = "cpu") -> dict[str
     }
     for name, weights in (("replay_ids_weights", "engine"), ("replay_on", "ids"),
                           ("replay_off", None)):  # fmt: skip
-        if weights == "engine" and any(r.weights is None for r in records):
+        if weights == "engine" and not engine_w:
             continue
-        targets = gather_targets(pm, records, layers, weights=weights == "engine")
+        targets = gather_targets(pm, records, layers, weights=engine_w)
         rep = None if weights is None else HFRouterReplayer(model, weights=weights)
         t0 = time.perf_counter()
         with torch.no_grad(), contextlib.ExitStack() as stack:
@@ -415,11 +418,16 @@ def run_trainer_hf(rollouts: dict[str, Any], *, device: str = "cpu") -> dict[str
         if rep is not None:
             rep.remove()
         valid = targets.valid if targets.valid is not None else np.ones(ids.numel(), bool)
-        agree = sum(int((np.sort(seen[layer].numpy(), 1) == np.sort(targets.experts[k], 1))
+        agree = sum(int((np.sort(seen[layer][0].numpy(), 1) == np.sort(targets.experts[k], 1))
                         .all(1)[valid].sum()) for k, layer in enumerate(layers))  # fmt: skip
         logp = torch.log_softmax(logits[0].float(), -1)
         diff = logp[at - 1].gather(1, tok[:, None]).squeeze(1).cpu().numpy() - engine_lp
         results[name] = _gap(diff, agree / (int(valid.sum()) * len(layers)), took)
+        if engine_w and weights is not None:  # the experts' weights against the engine's
+            results[name]["max_abs_weight_diff"] = max(
+                float(np.abs(seen[layer][1].numpy() - targets.weights[k])[valid].max())
+                for k, layer in enumerate(layers)
+            )
     return results
 
 
