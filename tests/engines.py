@@ -178,7 +178,14 @@ def start_engines_early(request: pytest.FixtureRequest) -> None:
 
 @pytest.fixture(autouse=True)
 def _start_engines_with_their_group(request: pytest.FixtureRequest) -> None:
-    if os.environ.get("PYTEST_XDIST_WORKER") is not None and uses_session_engines(request.node):
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return
+    if "@" not in request.node.nodeid:
+        # xdist writes the group into the node id; without it every module's tests, and the
+        # session's engines, would be spread over both workers (pytest-xdist#1386).
+        pytest.exit(f"pytest-xdist's loadgroup is not in effect ({request.node.nodeid} has no "
+                    "group): install the test extra's pytest", returncode=4)  # fmt: skip
+    if uses_session_engines(request.node):
         group = [i for i in request.session.items if uses_session_engines(i)]
         _launch_early(request, group)
 
