@@ -15,12 +15,13 @@ from ..errors import StartupRefused
 __all__ = ["ENGINE_SHUTDOWN_TIMEOUT_S", "engine_env", "local_model_dir", "on_cpu_host"]
 
 # Stopping: seconds vLLM's engine core waits for its worker to exit by itself before it sends
-# SIGTERM (vLLM's 5 s, and 10 s, were short for a worker tearing down on a loaded 2-core host),
-# and seconds the engine core gets in all before vLLM kills it (that wait, vLLM's 4 s after
-# SIGTERM, margin). Both are upper bounds: a stop takes what the teardown takes. Within
-# compose's stop_grace_period (70 s) after uvicorn's 10 s drain.
-WORKER_SHUTDOWN_GRACE_S = 30
-ENGINE_SHUTDOWN_TIMEOUT_S = 45.0
+# SIGTERM (a worker tearing down on a 2-core host whose cores other processes share can take
+# most of a minute: vLLM's 5 s is far short of it), and seconds the engine core gets in all
+# before vLLM kills it (that wait, vLLM's 4 s after SIGTERM, margin). Both are upper bounds: a
+# stop takes what the teardown takes. Within compose's stop_grace_period (80 s) after uvicorn's
+# 10 s drain.
+WORKER_SHUTDOWN_GRACE_S = 50
+ENGINE_SHUTDOWN_TIMEOUT_S = 65.0
 
 
 def on_cpu_host() -> bool:
