@@ -63,12 +63,16 @@ class EngineRoutes:
     routed_weights: np.ndarray | None = None
     weights_dtype: str | None = None
 
+    def __post_init__(self) -> None:
+        # Nested lists too, as the engine's JSON gives them.
+        object.__setattr__(self, "routed_experts", np.asarray(self.routed_experts))
+
     def rows(
         self, T: int, moe: tuple[int, ...], num_layers: int | None, num_experts: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """``(experts [T, M, K], valid [T], weights [T, M, K] or None)`` of a record of ``T``
         tokens whose MoE layers are ``moe``; :class:`RouteShapeError` for what does not fit."""
-        arr, row_start = np.asarray(self.routed_experts), self.row_start
+        arr, row_start = self.routed_experts, self.row_start
         if arr.ndim != 3:
             raise RouteShapeError(f"routed_experts must be [rows, layers, top_k], got {arr.shape}")
         L = arr.shape[1] if num_layers is None else num_layers
@@ -338,7 +342,7 @@ class RouteRecord:
             metadata=dict(metadata or {}),
             weight_versions=tuple(weight_versions),
             weights=weights,
-            weights_dtype=routes.weights_dtype if weights is not None else None,
+            weights_dtype=routes.weights_dtype,
         )
 
     # -- slicing and comparison -------------------------------------------------------------------

@@ -9,8 +9,8 @@ import pytest
 
 from routereplay.local_redis import redis_cluster, redis_server
 
-# The real-engine fixtures (tests/engines.py) are visible to every test: the session's engines
-# start before the first test, whichever tier it is in.
+# The real-engine fixtures (tests/engines.py) are visible to every test: the shared engines
+# start early, beside the first tests that do not need them.
 pytest_plugins = ["engines"]
 
 # Marks whose tests boot a real engine or Megatron: minutes each on a 2-core host, so they are
@@ -20,24 +20,24 @@ _SLOW_MARKS = ("vllm", "megatron")
 
 # The run is split over pytest-xdist workers (``-n 2 --dist loadgroup``, pyproject.toml) by
 # module: a module's own engines and fixtures live in one worker. The modules that use the
-# session's shared engines (tests/engines.py) form one group, so one worker runs them all and
+# run's shared engines (tests/engines.py) form one group, so one worker runs them all and
 # those engines start once; it goes first, and the other worker takes the remaining modules,
 # the heaviest tiers first, so that both finish near the same time.
-SESSION_ENGINES_GROUP = "session-engines"
+SHARED_ENGINES_GROUP = "shared-engines"
 _FIRST_TIERS = ("tests/service/", "tests/trainer/")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    from engines import uses_session_engines  # here: the plugin is registered (and rewritten)
+    from engines import uses_shared_engines  # here: the plugin is registered (and rewritten)
 
     for item in items:
         if any(item.get_closest_marker(m) for m in _SLOW_MARKS):
             item.add_marker(pytest.mark.slow)
-    shared = {_module(i) for i in items if uses_session_engines(i)}
+    shared = {_module(i) for i in items if uses_shared_engines(i)}
     for item in items:
         m = _module(item)
-        item.add_marker(pytest.mark.xdist_group(SESSION_ENGINES_GROUP if m in shared else m))
+        item.add_marker(pytest.mark.xdist_group(SHARED_ENGINES_GROUP if m in shared else m))
 
     def rank(item: pytest.Item) -> int:
         m = _module(item)

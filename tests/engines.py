@@ -7,9 +7,10 @@ vLLM engine) per engine configuration for the whole session, and the helpers tha
   root and the scheduler's test hold (``tests/plugins/vllm_test_hold``); its weights change.
 
 Each runs as a real ``routereplay serve`` subprocess on a free loopback port, storing into the
-pytest session's private redis-server (``redis_url`` from tests/conftest.py). Both start with the
-session when a collected test needs them (:func:`start_engines_early`), so their start-ups run
-beside the engine-free tests; a test that uses one waits until it is ready.
+pytest session's private redis-server (``redis_url`` from tests/conftest.py). In one process
+both start before the first test when a collected test needs them (:func:`start_engines_early`),
+so their start-ups run beside the engine-free tests; under pytest-xdist they start together at
+the first test of their group. A test that uses one waits until it is ready.
 """
 
 from __future__ import annotations
@@ -146,17 +147,17 @@ def launch(spec: tuple[Server, Service]) -> Iterator[Launched]:
         yield Launched(server, svc, proc)
 
 
-# The session's engines, by the fixture that starts each: started with the session when wanted.
+# The run's shared engines, by the fixture that starts each: started early when wanted.
 EARLY = ("service_engine", "rl_service_engine")
 
 
-def uses_session_engines(item: pytest.Item) -> bool:
-    """Whether ``item`` needs one of the session's shared engines."""
+def uses_shared_engines(item: pytest.Item) -> bool:
+    """Whether ``item`` needs one of the run's shared engines."""
     return any(name in item.fixturenames for name in EARLY)
 
 
 def _launch_early(request: pytest.FixtureRequest, items: list[pytest.Item]) -> None:
-    """Start (not wait for) the session's engines that one of ``items`` needs."""
+    """Start (not wait for) the shared engines that one of ``items`` needs."""
     wanted = set().union(*(item.fixturenames for item in items))
     for name in EARLY:
         if name in wanted:
@@ -168,10 +169,10 @@ def _launch_early(request: pytest.FixtureRequest, items: list[pytest.Item]) -> N
 
 @pytest.fixture(scope="session", autouse=True)
 def start_engines_early(request: pytest.FixtureRequest) -> None:
-    """Start the session's engines that a collected test needs, before the first test: a start
+    """Start the shared engines that a collected test needs, before the first test: a start
     takes ~30 s, mostly on one core, which the engine-free tests that run first leave idle.
     Under pytest-xdist a worker learns which tests it runs only as they come: the worker that
-    receives the session-engine group starts both engines at its first test of it."""
+    receives the shared-engine group starts both engines at its first test of it."""
     if os.environ.get("PYTEST_XDIST_WORKER") is None:
         _launch_early(request, request.session.items)
 
@@ -182,11 +183,11 @@ def _start_engines_with_their_group(request: pytest.FixtureRequest) -> None:
         return
     if "@" not in request.node.nodeid:
         # xdist writes the group into the node id; without it every module's tests, and the
-        # session's engines, would be spread over both workers (pytest-xdist#1386).
+        # shared engines, would be spread over both workers (pytest-xdist#1386).
         pytest.exit(f"pytest-xdist's loadgroup is not in effect ({request.node.nodeid} has no "
                     "group): install the test extra's pytest", returncode=4)  # fmt: skip
-    if uses_session_engines(request.node):
-        group = [i for i in request.session.items if uses_session_engines(i)]
+    if uses_shared_engines(request.node):
+        group = [i for i in request.session.items if uses_shared_engines(i)]
         _launch_early(request, group)
 
 

@@ -125,12 +125,12 @@ def test_tooling_modules_share_only_public_names() -> None:
     for d in ("routereplay/bench", "routereplay/experiments"):
         for f in sorted((ROOT / d).glob("*.py")):
             for node in ast.walk(ast.parse(f.read_text())):
-                if isinstance(node, ast.ImportFrom) and (
-                    node.level or "routereplay" in (node.module or "")
-                ):
-                    private = [a.name for a in node.names if a.name.startswith("_")]
-                    if private and not (node.module or "").endswith("__future__"):
-                        problems.append(f"{f.relative_to(ROOT)}:{node.lineno}: {private}")
+                ours = isinstance(node, ast.ImportFrom) and (
+                    node.level or (node.module or "").split(".")[0] == "routereplay"
+                )
+                private = [a.name for a in node.names if a.name.startswith("_")] if ours else []
+                if private:
+                    problems.append(f"{f.relative_to(ROOT)}:{node.lineno}: {private}")
     assert not problems, "\n".join(problems)
 
 

@@ -269,6 +269,8 @@ class UpstreamBackend(EngineBackend):
     async def _weight_version(self) -> str | None:
         """The upstream's weight version (None if it has no RL API or does not answer)."""
         assert self.client is not None
+        if not self.release.rl_api:  # its /weight_info is a dev-mode route: nothing to ask
+            return None
         try:
             r = await self.client.get("/weight_info", timeout=5.0)
             return str(r.json()["weight_version"]) if r.status_code == 200 else None
