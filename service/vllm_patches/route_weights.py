@@ -8,8 +8,9 @@ in the router's slot order, so slot ``k`` of a weight belongs to slot ``k`` of a
 downstream in vLLM (step snapshots, the prefix-cache block store, engine outputs) is generic over
 the row shape and dtype, so cached-prefix rows carry their weights too.
 
-Patch points (vLLM 0.32.0, listed once in :data:`SYMBOLS`; :func:`check_supported` compares
-each one's source with the one the patch was written against before the engine starts):
+Patch points (listed once in :data:`SYMBOLS`; :func:`check_supported` compares the source of
+each function it replaces with those of the releases it was reviewed against, :data:`REVIEWED`,
+before the engine starts):
 
 - ``BaseRouter._select_experts`` hands ``topk_weights`` to the capture callback with the ids;
 - ``RoutedExpertsCapturer.__init__`` / ``capture`` / ``snapshot_routing_data`` hold the wide row;
@@ -35,12 +36,16 @@ import numpy as np
 
 __all__ = [
     "ENV",
+    "REVIEWED",
     "SYMBOLS",
     "RouteWeightsUnsupported",
     "Symbol",
     "check_supported",
     "install",
     "installed",
+    "installed_sources",
+    "reviewed_release",
+    "source_digest",
     "split_routes",
 ]
 
@@ -52,15 +57,15 @@ ENV = "RR_CAPTURE_ROUTE_WEIGHTS"
 @dataclass(frozen=True)
 class Symbol:
     """One vLLM object the extension uses: ``name`` in ``module``; for a function it replaces or
-    wraps, its ``attr`` (a method of the class ``name``; None: ``name`` itself) and ``source``,
-    the sha256 (first 16 hex digits) of that function's source in vLLM 0.32.0 (the CPU and CUDA
-    wheels alike). Any other source is refused: a vLLM that changed one of them might route,
-    capture or bind differently from what the patch assumes."""
+    wraps (``replaced``), its ``attr`` (a method of the class ``name``; None: ``name`` itself),
+    whose source must be one of a reviewed release's (:data:`REVIEWED`). Any other source is
+    refused: a vLLM that changed one of them might route, capture or bind differently from what
+    the patch assumes."""
 
     module: str
     name: str
     attr: str | None = None
-    source: str | None = None  # None: used as it is, not replaced
+    replaced: bool = False  # False: used as it is
 
     @property
     def label(self) -> str:
@@ -70,16 +75,47 @@ class Symbol:
 _ROUTER = "vllm.model_executor.layers.fused_moe.router.base_router"
 _CAPTURER = "vllm.model_executor.layers.fused_moe.routed_experts_capturer"
 _CONNECTOR = "vllm.distributed.aux_output_connector.worker"
-# Every vLLM object the extension touches, once.
+# Every vLLM object the extension touches, once. The worker connector imports the bind by name
+# and calls it through its own module global, which is what the extension replaces.
 SYMBOLS = (
-    Symbol(_ROUTER, "BaseRouter", "_select_experts", "72be73a361f8d723"),
-    Symbol(_CAPTURER, "RoutedExpertsCapturer", "__init__", "b7eb06724f882c2b"),
-    Symbol(_CAPTURER, "RoutedExpertsCapturer", "capture", "1d7c389ce43821b4"),
-    Symbol(_CAPTURER, "RoutedExpertsCapturer", "snapshot_routing_data", "18f44cd391ac7455"),
+    Symbol(_ROUTER, "BaseRouter", "_select_experts", replaced=True),
+    Symbol(_CAPTURER, "RoutedExpertsCapturer", "__init__", replaced=True),
+    Symbol(_CAPTURER, "RoutedExpertsCapturer", "capture", replaced=True),
+    Symbol(_CAPTURER, "RoutedExpertsCapturer", "snapshot_routing_data", replaced=True),
     Symbol(_CAPTURER, "RoutedExpertsCaptureSource"),
-    Symbol(_CONNECTOR, "bind_routed_experts_capturer", source="16f8f68f9d2aecae"),
+    Symbol(_CONNECTOR, "bind_routed_experts_capturer", replaced=True),
     Symbol("vllm.v1.worker.worker_base", "WorkerWrapperBase"),
 )
+# Per release whose sources were read against the extension, the source of each function it
+# replaces: sha256 of ``inspect.getsource``, first 16 hex digits (the CPU and CUDA wheels of a
+# release alike). 0.31 binds a monolithic kernel's capture by ``set_capture_fn``, 0.32 by a
+# ``RoutedExpertsSink``: the extension refuses monolithic kernels in both. 0.33's ``capture``
+# restores sequence-parallel shards without DP metadata and writes dual-batch-overlap
+# micro-batches at their offset; it slices and gathers along rows only, so the widened rows
+# pass through it as ids do. 0.30 and older have no worker connector to extend.
+REVIEWED: dict[str, dict[str, str]] = {
+    "0.31.0": {
+        "BaseRouter._select_experts": "72be73a361f8d723",
+        "RoutedExpertsCapturer.__init__": "b7eb06724f882c2b",
+        "RoutedExpertsCapturer.capture": "1d7c389ce43821b4",
+        "RoutedExpertsCapturer.snapshot_routing_data": "18f44cd391ac7455",
+        "bind_routed_experts_capturer": "cf3720c598567abd",
+    },
+    "0.32.0": {
+        "BaseRouter._select_experts": "72be73a361f8d723",
+        "RoutedExpertsCapturer.__init__": "b7eb06724f882c2b",
+        "RoutedExpertsCapturer.capture": "1d7c389ce43821b4",
+        "RoutedExpertsCapturer.snapshot_routing_data": "18f44cd391ac7455",
+        "bind_routed_experts_capturer": "16f8f68f9d2aecae",
+    },
+    "0.33.0": {
+        "BaseRouter._select_experts": "72be73a361f8d723",
+        "RoutedExpertsCapturer.__init__": "b7eb06724f882c2b",
+        "RoutedExpertsCapturer.capture": "5ccc3f525de4a36f",
+        "RoutedExpertsCapturer.snapshot_routing_data": "18f44cd391ac7455",
+        "bind_routed_experts_capturer": "16f8f68f9d2aecae",
+    },
+}
 # The router's weight dtype seen by this worker (None until the first routed forward).
 _weights_dtype: str | None = None
 
@@ -111,35 +147,62 @@ def _symbols() -> dict[str, Any]:
 
 def _source_digest(obj: Any) -> str:
     try:
-        return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
+        return source_digest(inspect.getsource(obj))
     except (OSError, TypeError):  # no source to read (a compiled or stripped vLLM)
         return "unreadable"
 
 
-def check_supported() -> None:
-    """Raise :class:`RouteWeightsUnsupported` naming the vLLM version and the first symbol of
-    :data:`SYMBOLS` that is missing or, for a function the extension replaces, whose source is
-    not the one it was written against; return quietly when every one matches."""
-    if installed():
-        return  # patched in this process, after this check passed
-    version = _vllm_version()
+def source_digest(source: str) -> str:
+    """The digest :data:`REVIEWED` holds for a function's source text."""
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def installed_sources() -> dict[str, str]:
+    """The digest of each replaced function's source in this process's vLLM ("missing" for one
+    it lacks, "unreadable" where vLLM ships no source); :class:`RouteWeightsUnsupported` names
+    the first object of :data:`SYMBOLS` it lacks."""
     syms = _symbols()
     for sym in SYMBOLS:
         if sym.name not in syms:
             raise RouteWeightsUnsupported(
-                f"--route-weights: vLLM {version} has no {sym.module}.{sym.name}"
+                f"--route-weights: vLLM {_vllm_version()} has no {sym.module}.{sym.name}"
             )
+    digests = {}
     for sym in SYMBOLS:
-        if sym.source is None:
-            continue
-        obj = syms[sym.name] if sym.attr is None else getattr(syms[sym.name], sym.attr, None)
-        digest = "missing" if obj is None else _source_digest(obj)
-        if digest != sym.source:
-            raise RouteWeightsUnsupported(
-                f"--route-weights: vLLM {version}'s {sym.label} is not the code the "
-                f"routing-weight capture replaces (source sha256 {digest}, expected "
-                f"{sym.source}); serve without --route-weights"
-            )
+        if sym.replaced:
+            obj = syms[sym.name] if sym.attr is None else getattr(syms[sym.name], sym.attr, None)
+            digests[sym.label] = "missing" if obj is None else _source_digest(obj)
+    return digests
+
+
+def reviewed_release(digests: dict[str, str] | None = None, version: str | None = None) -> str:
+    """The reviewed release (a key of :data:`REVIEWED`) whose sources this vLLM's equal (or
+    ``digests``', those of vLLM ``version``); :class:`RouteWeightsUnsupported` names the first
+    function that differs from the release of the same version (else the newest reviewed)."""
+    have = installed_sources() if digests is None else digests
+    for release, sources in REVIEWED.items():
+        if sources == have:
+            return release
+    version = version or _vllm_version()
+    nearest = REVIEWED.get(version) or REVIEWED[max(REVIEWED, key=_release_key)]
+    label = next(k for k in nearest if have.get(k) != nearest[k])
+    want = ", ".join(f"{r} {s[label]}" for r, s in REVIEWED.items())
+    raise RouteWeightsUnsupported(
+        f"--route-weights: vLLM {version}'s {label} is not the code the routing-weight capture "
+        f"replaces (source sha256 {have.get(label, 'missing')}; reviewed: {want}); serve "
+        "without --route-weights"
+    )
+
+
+def _release_key(release: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in release.split("."))
+
+
+def check_supported() -> None:
+    """Raise :class:`RouteWeightsUnsupported` unless this vLLM's capture sources are a reviewed
+    release's (:func:`reviewed_release`)."""
+    if not installed():  # patched in this process once this check passed
+        reviewed_release()
 
 
 def install() -> None:

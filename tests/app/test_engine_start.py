@@ -287,8 +287,10 @@ def test_the_patch_table_names_what_this_vllm_lacks(monkeypatch: pytest.MonkeyPa
     with pytest.raises(rw.RouteWeightsUnsupported, match=r"has no vllm\.v1\.worker\.worker_base"
                        r"\.NoSuchWrapper$"):  # fmt: skip
         rw.check_supported()
-    method = rw.Symbol(rw.SYMBOLS[0].module, "BaseRouter", "_no_such_step", "0" * 16)
+    method = rw.Symbol(rw.SYMBOLS[0].module, "BaseRouter", "_no_such_step", replaced=True)
     monkeypatch.setattr(rw, "SYMBOLS", (*rw.SYMBOLS[:-1], method))
+    reviewed = {r: {**s, "BaseRouter._no_such_step": "0" * 16} for r, s in rw.REVIEWED.items()}
+    monkeypatch.setattr(rw, "REVIEWED", reviewed)
     with pytest.raises(rw.RouteWeightsUnsupported, match=r"BaseRouter\._no_such_step .*missing"):
         rw.check_supported()
 
