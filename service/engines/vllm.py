@@ -11,7 +11,8 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..admission import Admission, Ticket, cache_salt
@@ -194,6 +195,9 @@ class VllmBackend(EngineBackend):
         self._fatal: str | None = None
         self._rl = VllmRL(self)
         self.release: VllmRelease | None = None  # the installed vLLM, probed at start
+        # (epoch, engine weight version), moved by each RL call that may relabel the weights;
+        # read only where the engine's outputs carry no weight-version spans (_whole_span).
+        self._label: tuple[int, str | None] = (0, None)
 
     @property
     def rl(self) -> RLControl:
@@ -233,6 +237,7 @@ class VllmBackend(EngineBackend):
         hf = self.engine.model_config.hf_config
         num_layers, moe, num_experts, top_k = moe_layout(hf)
         self._tokenizer = self.engine.get_tokenizer()
+        await self.relabel()
         self.info = ModelInfo(
             name=self.served_model_name,
             num_layers=num_layers,
@@ -558,9 +563,11 @@ class VllmBackend(EngineBackend):
         weights: bool,
     ) -> AsyncIterator[EngineEvent]:
         ticket, outputs, first = await self._submit(req, prompt, params)
+        label = self._label
         try:
             yield PromptRendered(prompt_token_ids=prompt_ids)
-            async for ev in self._events(params, weights, _chain(first, outputs)):
+            spans = partial(self._whole_span, ticket, label)
+            async for ev in self._events(params, weights, _chain(first, outputs), spans):
                 yield ev
         except ServiceError:
             raise
@@ -630,8 +637,31 @@ class VllmBackend(EngineBackend):
             raise e
         raise mapped from e
 
+    def _whole_span(
+        self, ticket: Ticket, label: tuple[int, str | None], n_out: int
+    ) -> list[tuple[str, int, int]] | None:
+        """For a vLLM whose outputs carry no weight-version spans: the whole output under the
+        version the engine had when the request started, if neither the weights (the
+        generation) nor the version label changed before it finished; None (unknown) else."""
+        epoch, version = label
+        if version is None or self._label[0] != epoch:
+            return None
+        if ticket.generation != self.admission.generation:
+            return None
+        return [(version, 0, n_out)]
+
+    async def relabel(self) -> None:
+        """Read the engine's weight version again after an RL call that may have changed it,
+        with generation stopped (only where outputs carry no spans: :meth:`_whole_span`)."""
+        if self.release is not None and not self.release.weight_versions:
+            self._label = (self._label[0] + 1, str(await self.engine.get_weight_version()))
+
     async def _events(
-        self, params: Any, weights: bool, outputs: AsyncIterator[Any]
+        self,
+        params: Any,
+        weights: bool,
+        outputs: AsyncIterator[Any],
+        whole: Callable[[int], list[tuple[str, int, int]] | None],
     ) -> AsyncIterator[EngineEvent]:
         """The engine's outputs as events, each choice finished once with its routes."""
         n = params.n
@@ -661,12 +691,12 @@ class VllmBackend(EngineBackend):
                     continue
                 done.add(i)
                 pending.pop(i, None)
-                fin = self._finished(o, out_ids[i], out.num_cached_tokens, row_start)
+                fin = self._finished(o, out_ids[i], out.num_cached_tokens, row_start, whole)
                 yield await self._split_weights(fin, weights)
             if out.finished:
                 for i, o in list(pending.items()):
                     done.add(i)
-                    fin = self._finished(o, out_ids[i], out.num_cached_tokens, row_start)
+                    fin = self._finished(o, out_ids[i], out.num_cached_tokens, row_start, whole)
                     yield await self._split_weights(fin, weights)
                 pending.clear()
 
@@ -692,10 +722,18 @@ class VllmBackend(EngineBackend):
 
     @staticmethod
     def _finished(
-        o: Any, out_ids: list[int], num_cached: int | None, row_start: int
+        o: Any,
+        out_ids: list[int],
+        num_cached: int | None,
+        row_start: int,
+        whole: Callable[[int], list[tuple[str, int, int]] | None],
     ) -> ChoiceFinished:
         re = o.routed_experts
-        spans = getattr(o, "weight_versions", None)
+        if hasattr(o, "weight_versions"):
+            spans = o.weight_versions
+            spans = None if spans is None else [(s.version, s.start, s.end) for s in spans]
+        else:  # vLLM before 0.32: the service's own knowledge (_whole_span)
+            spans = whole(len(out_ids))
         return ChoiceFinished(
             index=o.index,
             finish_reason=o.finish_reason,
@@ -705,7 +743,7 @@ class VllmBackend(EngineBackend):
             routed_experts=re,
             routes_row_start=row_start,
             routes_error=None if re is not None else "the engine returned no routed experts",
-            weight_versions=None if spans is None else [(s.version, s.start, s.end) for s in spans],
+            weight_versions=spans,
         )
 
     def _logprobs(self, o: Any, k: int | None) -> list[TokenLogprob] | None:

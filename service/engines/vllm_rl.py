@@ -137,9 +137,14 @@ class VllmRL(RLControl):
 
     async def update_weight_version(self, new_version: str) -> None:
         # A new label for the same weights: the cache they computed stays theirs.
-        await self._one("update_weight_version",
-                        lambda: self.engine.update_weight_version(new_version),
+        await self._one("update_weight_version", lambda: self._relabelled(new_version),
                         weight_version=new_version)  # fmt: skip
+
+    async def _relabelled(self, new_version: str) -> None:
+        try:
+            await self.engine.update_weight_version(new_version)
+        finally:
+            await self.b.relabel()
 
     async def weight_version(self) -> str:
         return str(await self.engine.get_weight_version())
@@ -192,6 +197,7 @@ class VllmRL(RLControl):
         finally:
             if not self.b.dead:
                 await self._weights_changed()
+                await self.b.relabel()
                 if not was_paused:
                     await engine.resume_generation()
             if not was_held:

@@ -13,8 +13,10 @@
 #     installed so that vLLM finds its plugins' entry points.
 # PARTS (default all, in this order) names what runs: graphs (the tiny model under CUDA graphs,
 # torch.compile alone and eager, compared), preempt (a KV cache small enough to force
-# preemption), shapes (the Qwen3-30B-A3B shape with dummy weights, and moe64 trained here for
-# TRAIN_S seconds), bench (`routereplay bench service`). Logs go to $OUT (or /tmp/rr-serving); the summary lines to
+# preemption), offload (vLLM's CPU KV offloading: prefix hits served from the CPU copy; vLLM
+# 0.33+), shapes (the Qwen3-30B-A3B shape with dummy weights, and moe64 trained here for
+# TRAIN_S seconds; q30b alone: the first), bench (`routereplay bench service`). The vLLM bundle
+# may be 0.33.0's instead (tests/gpu/make_vllm033_bundle.sh, installed the same way). Logs go to $OUT (or /tmp/rr-serving); the summary lines to
 # $OUT/results-serving.log.
 set -u
 EXTRA=${EXTRA:-/tmp/stage/extra}
@@ -38,6 +40,9 @@ say "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader |
 $PY -c 'import torch, vllm, routereplay.client as c; print("torch", torch.__version__, "vllm",
   vllm.__version__, "routereplay", c.__file__)' | tee -a "$SUMMARY"
 redis-server --version | tee -a "$SUMMARY"
+# What the service finds in this vLLM (docs/deploy.md, vLLM releases), and that it serves it.
+$PY -c 'from routereplay.service.engines.vllm_release import check_release, probe
+r = probe(); print(r.features()); check_release(r)' 2>&1 | tail -n 1 | tee -a "$SUMMARY"
 fail=0
 M=/tmp/rr-models
 mkdir -p $M
@@ -54,7 +59,7 @@ check() {  # name args...: one serving_check configuration
   [ $rc = 0 ] || tail -n 30 "$LOGS/check-$name.log"
 }
 
-part() { [[ " ${PARTS:-graphs preempt shapes bench} " == *" $1 "* ]]; }
+part() { [[ " ${PARTS:-graphs preempt offload shapes bench} " == *" $1 "* ]]; }
 GMU='"gpu_memory_utilization": 0.3'
 # vLLM's float32 on a GPU is not IEEE float32 throughout (its Triton attention and fused-MoE
 # kernels multiply in TF32): stored weights are compared with transformers' float32 router
@@ -82,7 +87,16 @@ if part preempt; then
     --engine-args "{$GMU, \"num_gpu_blocks_override\": 80}"
 fi
 
-if part shapes; then
+if part offload; then
+  # vLLM's CPU KV offloading (kv_offloading_size, 0.33+): 160 GPU blocks of 16 tokens, so four
+  # other 862-token prompts between the cold and the warm request push the cold one's blocks out
+  # of the GPU; the warm request's hit must come from the CPU copy (external prefix-cache hits)
+  # and its cached rows equal the cold run's, weights bit for bit.
+  check tiny-offload --model $M/tiny $F32 --max-model-len 2048 --evict-between 4 \
+    --engine-args "{$GMU, \"num_gpu_blocks_override\": 160, \"kv_offloading_size\": 1}"
+fi
+
+if part shapes || part q30b; then
   # The production router shape: Qwen3-30B-A3B's config, vLLM's dummy weights, the tiny
   # model's tokenizer; sampled tokens kept inside that tokenizer's vocabulary.
   mkdir -p $M/q30b && cp "$REPO/tests/gpu/qwen3-30b-a3b-config.json" $M/q30b/config.json
@@ -91,6 +105,9 @@ if part shapes; then
   allowed=$($PY -c "import json; print(json.dumps({'allowed_token_ids': list(range($vocab))}))")
   check q30b-dummy-graphs --model $M/q30b --dtype bfloat16 --reference engine \
     --request-extra "$allowed" --engine-args '{"load_format": "dummy", "gpu_memory_utilization": 0.85}'
+fi
+
+if part shapes; then
   t0=$(date +%s)
   $PY -m routereplay.experiments.train_tiny train --corpus "$EXTRA/corpus.npy" --shape moe64 \
     --out $M/moe64-w --steps 2000 --max-seconds "${TRAIN_S:-60}" --device cuda \

