@@ -227,6 +227,11 @@ class EngineBackend(abc.ABC):
         """Requests inside the engine (running or queued); -1 if unknown."""
         return -1
 
+    @property
+    def vllm_version(self) -> str | None:
+        """The vLLM release serving the requests (``GET /version``); None without one."""
+        return None
+
     def engine_metrics(self) -> Collector | None:
         """The engine's own Prometheus metrics, served on ``/metrics`` beside the service's;
         None if it has none in this process."""

@@ -203,7 +203,16 @@ class SamplingFields(_Request):
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        # As vLLM: usage on every chunk only when the final usage chunk is asked for too.
+        so = self.stream_options
+        return bool(so and so.include_usage and so.continuous_usage_stats)
+
+    @field_validator("stream_options", mode="after")
+    @classmethod
+    def _stream_options_need_stream(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("can only be set when stream is true")
+        return v
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -365,7 +374,9 @@ class ChatChoice(_Choice):
 
 class CompletionChoice(_Choice):
     text: str
-    # vLLM puts the prompt's token ids on each completion choice (chat: on the response).
+    # vLLM puts the prompt's token ids on each completion choice (chat: on the response), and
+    # its prompt_logprobs beside them (null: this service does not compute them).
+    prompt_logprobs: None = None
     prompt_token_ids: list[int] | None = None
 
 
@@ -379,6 +390,7 @@ class _Response(BaseModel):
 class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
+    prompt_logprobs: None = None
     prompt_token_ids: list[int] | None = None
 
 

@@ -140,6 +140,10 @@ class UpstreamBackend(EngineBackend):
     def rl(self) -> RLControl:
         return self._rl
 
+    @property
+    def vllm_version(self) -> str | None:
+        return self.release.version
+
     async def start(self) -> None:
         self.client = httpx.AsyncClient(
             base_url=self.url,

@@ -346,6 +346,10 @@ class VllmBackend(EngineBackend):
         except Exception as e:
             raise EngineUnavailableError(f"engine unhealthy: {e!r}", code="engine_dead") from e
 
+    @property
+    def vllm_version(self) -> str | None:
+        return None if self.release is None else self.release.version
+
     def num_unfinished(self) -> int:
         return -1 if self.engine is None else int(self.engine.get_num_unfinished_requests())
 

@@ -1,11 +1,15 @@
-"""``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI-compatible)."""
+"""``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI-compatible), and
+``POST /invocations`` (either, by the body's shape)."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from pydantic import ValidationError
 
 from ..auth import Caller
 from ..errors import error_responses
@@ -63,3 +67,31 @@ async def create_completion(
     """A text completion; each choice's routed experts stored, a handle in its place."""
     st = service_state(raw_request)
     return await st.completion.create(request, raw_request, x_request_id, st.store_for(who.tenant))
+
+
+@router.post(
+    "/invocations",
+    responses={200: {"content": _SSE}, **_ERRORS},
+    response_class=Response,
+)
+async def invocations(
+    raw_request: Request, who: Caller, x_request_id: RequestIdHeader = None
+) -> Response:
+    """SageMaker's inference route, as vLLM serves it: a body with ``messages`` is a chat
+    completion, any other a text completion; each choice's routes stored as there."""
+    try:
+        body = await raw_request.json()
+    except json.JSONDecodeError as e:
+        error = {"type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error"}
+        raise RequestValidationError([{**error, "ctx": {"error": e.msg}}]) from None
+    chat = isinstance(body, dict) and "messages" in body
+    kind = ChatCompletionRequest if chat else CompletionRequest
+    try:
+        request = kind.model_validate(body)
+    except ValidationError as e:
+        raise RequestValidationError(
+            [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]
+        ) from None
+    st = service_state(raw_request)
+    serving = st.chat if chat else st.completion
+    return await serving.create(request, raw_request, x_request_id, st.store_for(who.tenant))

@@ -1,4 +1,5 @@
-"""Probes: liveness (``/health``), readiness (``/ready``) and Prometheus ``/metrics``."""
+"""Probes: liveness (``/health``, and ``/ping`` as SageMaker asks it), readiness (``/ready``),
+the release (``/version``) and Prometheus ``/metrics``."""
 
 from __future__ import annotations
 
@@ -22,6 +23,22 @@ async def health(raw_request: Request) -> JSONResponse:
     if service_state(raw_request).backend.dead:
         return JSONResponse({"status": "engine_dead"}, status_code=503)
     return JSONResponse({"status": "ok"})
+
+
+@router.get("/ping")
+@router.post("/ping")
+async def ping(raw_request: Request) -> JSONResponse:
+    """SageMaker's health check, as vLLM serves it: ``/health``'s answer."""
+    return await health(raw_request)
+
+
+@router.get("/version", dependencies=[Depends(principal)])
+async def version(raw_request: Request) -> JSONResponse:
+    """vLLM's ``/version``: the vLLM release serving the requests (null for the synthetic
+    engine), and this service's own."""
+    st = service_state(raw_request)
+    mine = raw_request.app.version
+    return JSONResponse({"version": st.backend.vllm_version, "routereplay": mine})
 
 
 @router.get("/ready")

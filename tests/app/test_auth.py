@@ -49,6 +49,8 @@ PROTECTED = [
     ("DELETE", "/v1/routes/x-0", None),
     ("POST", "/v1/routes:batch", {"ids": ["x-0"]}),
     ("GET", "/metrics", None),
+    ("POST", "/invocations", BODY),
+    ("GET", "/version", None),
     ("GET", "/openapi.json", None),
     ("GET", "/docs", None),
 ]  # fmt: skip
@@ -69,6 +71,8 @@ async def test_every_endpoint_needs_a_key(keyed: App, method: str, path: str, bo
 
 async def test_health_and_ready_stay_open(keyed: App) -> None:
     assert (await keyed.http.get("/health")).status_code == 200
+    assert (await keyed.http.get("/ping")).json() == {"status": "ok"}
+    assert (await keyed.http.post("/ping")).status_code == 200
     assert (await keyed.http.get("/ready")).json() == {"status": "ready"}
 
 
