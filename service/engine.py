@@ -68,7 +68,9 @@ class GenerationRequest(Generic[R]):
 
 @dataclass
 class TokenLogprob:
-    """Log-probability of one sampled token and its top alternatives (token text, logprob)."""
+    """Log-probability of one sampled token and its candidates (token text, logprob) as vLLM
+    gives them for ``logprobs: k``: the sampled token first, then the top ``k`` by rank (the
+    sampled token once when it is among them)."""
 
     token: str
     logprob: float

@@ -57,7 +57,8 @@ MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
-TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+_MAX_TOKEN_ID = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=_MAX_TOKEN_ID)]
 
 
 class _Request(BaseModel):
@@ -182,9 +183,14 @@ class SamplingFields(_Request):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for k in v or {}:
-            if not k.isdigit():
-                raise ValueError(f"logit_bias keys are token ids; {k!r} is not one")
+        bad = [k for k in v or {} if not k.isdigit()]
+        if bad:
+            shown = ", ".join(map(repr, bad[:8])) + (
+                f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+            )
+            raise ValueError(
+                f"logit_bias keys are token ids; {shown} {'is' if len(bad) == 1 else 'are'} not"
+            )
         return v
 
     @model_validator(mode="after")
@@ -282,6 +288,20 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     add_special_tokens: bool = True
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _token_ids_in_range(cls, v: Any) -> Any:
+        # Before the union: a negative id would otherwise read "Input should be a valid string".
+        ids = v[0] if isinstance(v, list) and len(v) == 1 and isinstance(v[0], list) else v
+        if isinstance(ids, list) and ids and all(type(x) is int for x in ids):
+            bad = [x for x in ids if not 0 <= x <= _MAX_TOKEN_ID]
+            if bad:
+                raise ValueError(
+                    f"token ids must be >= 0 and <= {_MAX_TOKEN_ID}; got {bad[:8]}"
+                    + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+                )
+        return v
 
     @field_validator("prompt")
     @classmethod

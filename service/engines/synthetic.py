@@ -451,7 +451,7 @@ class SyntheticBackend(EngineBackend):
             return None
         lp = -((x >> 8) % 1000) / 1000.0 - 0.01
         top = [(chr(tok), lp)] + [(chr(32 + (tok - 32 + j) % 95), lp - j) for j in range(1, k)]
-        return [TokenLogprob(token=chr(tok), logprob=lp, top=top[:k])]
+        return [TokenLogprob(token=chr(tok), logprob=lp, top=top)]
 
 
 class _SyntheticRL(RLControl):

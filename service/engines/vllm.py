@@ -753,18 +753,17 @@ class VllmBackend(EngineBackend):
     def _logprobs(self, o: Any, k: int | None) -> list[TokenLogprob] | None:
         if k is None or not o.logprobs:
             return None
+        # vLLM's candidates per position: the sampled token, then the top k by rank (one entry
+        # when the sampled token is among them), in that order; the serving layer shows what
+        # vLLM's server shows of them (TokenLogprob).
         res = []
         for tok, pos in zip(o.token_ids, o.logprobs, strict=False):
             chosen = pos.get(tok)
-            top = sorted(
-                ((lp.rank or 0, self._text(t, lp), lp.logprob) for t, lp in pos.items()),
-                key=lambda x: x[0],
-            )
             res.append(
                 TokenLogprob(
                     token=self._text(tok, chosen),
                     logprob=_finite(chosen.logprob if chosen is not None else None),
-                    top=[(s, _finite(v)) for _, s, v in top[:k]],
+                    top=[(self._text(t, lp), _finite(lp.logprob)) for t, lp in pos.items()],
                 )
             )
         return res

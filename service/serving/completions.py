@@ -505,13 +505,16 @@ class _ServingGeneration(abc.ABC, Generic[R]):
 
 
 # -- chat ------------------------------------------------------------------------------------------
-def _chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+def _chat_logprobs(entries: list[TokenLogprob], k: int) -> dict[str, Any]:
+    """vLLM's chat logprobs: each token's first ``k`` candidates (``top_logprobs``), in the
+    engine's order (the sampled token first)."""
+
     def one(tok: str, lp: float) -> dict[str, Any]:
         return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
 
     return {
         "content": [
-            {**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]}
+            {**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top[:k]]}
             for e in entries
         ]
     }
@@ -534,7 +537,8 @@ class ServingChat(_ServingGeneration[ChatCompletionRequest]):
         r = greq.request
         out = []
         for i, ch in enumerate(choices):
-            lp = ch.raw_logprobs or (_chat_logprobs(ch.logprobs) if r.logprobs else None)
+            k = r.top_logprobs or 0
+            lp = ch.raw_logprobs or (_chat_logprobs(ch.logprobs, k) if r.logprobs else None)
             out.append(
                 ChatChoice(
                     message=ChatMessage(content="".join(ch.text)),
@@ -570,7 +574,7 @@ class ServingChat(_ServingGeneration[ChatCompletionRequest]):
         r = greq.request
         lp = ev.raw_logprobs
         if lp is None and r.logprobs and ev.logprobs:
-            lp = _chat_logprobs(ev.logprobs)
+            lp = _chat_logprobs(ev.logprobs, r.top_logprobs or 0)
         c: dict[str, Any] = {
             "index": ev.index,
             "delta": {"content": ev.text},
@@ -587,6 +591,8 @@ class ServingChat(_ServingGeneration[ChatCompletionRequest]):
 
 # -- text completions ------------------------------------------------------------------------------
 def _cmpl_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
+    """vLLM's completion logprobs: for ``logprobs: k`` each token's candidates are the sampled
+    token and the top ``k`` (``k`` or ``k + 1`` entries), as the OpenAI API defines them."""
     offsets, off = [], text_offset
     for e in entries:
         offsets.append(off)

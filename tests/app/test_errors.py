@@ -304,3 +304,20 @@ async def test_docs_serve_the_apps_own_schema(svc: App) -> None:
     r = await svc.http.get("/docs")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     assert "swagger-ui" in r.text and "url: '/openapi.json'" in r.text
+
+
+@pytest.mark.parametrize(
+    "prompt, shown",
+    [([-1], "[-1]"), ([5, -3, 2**31], "[-3, 2147483648]"), ([[7, -1]], "[-1]")],
+)
+async def test_out_of_range_prompt_ids_name_the_bound(svc: App, prompt, shown: str) -> None:
+    """As vLLM: the bound is named, not the union's "Input should be a valid string"."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+    e = check_error(await svc.http.post("/v1/completions", json=body), 400, "prompt")
+    assert ">= 0 and <= 2147483647" in e["message"] and shown in e["message"], e
+
+
+async def test_every_bad_logit_bias_key_is_named(svc: App) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "logit_bias": {"a": 1, "7": 2, "b": 3}}
+    e = check_error(await svc.http.post("/v1/completions", json=body), 400, "logit_bias")
+    assert "'a', 'b' are not" in e["message"], e

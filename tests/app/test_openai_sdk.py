@@ -90,6 +90,18 @@ async def test_chat_logprobs(svc: App) -> None:
     content = r.choices[0].logprobs.content
     assert len(content) == 4 and all(len(e.top_logprobs) == 3 for e in content)
     assert all(e.logprob <= 0 and e.bytes == list(e.token.encode()) for e in content)
+    assert all(e.top_logprobs[0].token == e.token for e in content)  # the sampled one first
+    none = await svc.openai.chat.completions.create(
+        model=MODEL, messages=MSG, max_tokens=2, logprobs=True, top_logprobs=0
+    )
+    assert [e.top_logprobs for e in none.choices[0].logprobs.content] == [[], []]
+
+
+async def test_completion_logprobs_zero_is_the_sampled_token(svc: App) -> None:
+    """vLLM's ``logprobs: 0``: each position's candidates are the sampled token alone."""
+    r = await svc.openai.completions.create(model=MODEL, prompt="abc", max_tokens=3, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert [list(t) for t in lp.top_logprobs] == [[tok] for tok in lp.tokens]
 
 
 async def test_completions_stream_handle_on_finish_chunk(svc: App) -> None:

@@ -72,8 +72,18 @@ def test_completions_non_streaming_with_logprobs(client: openai.OpenAI, service:
     )  # fmt: skip
     (c,) = r.choices
     assert len(c.logprobs.tokens) == 5 and len(c.logprobs.token_logprobs) == 5
-    assert all(len(t) == 2 for t in c.logprobs.top_logprobs)
+    # As vLLM's server: the sampled token and the top 2, so 2 entries, or 3 when the sampled
+    # token is not among the top 2 (then it is the least likely of the three).
+    for tok, lp, top in zip(c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.top_logprobs,
+                            strict=True):  # fmt: skip
+        assert top[tok] == lp and len(top) in (2, 3), (tok, top)
+        if len(top) == 3:
+            assert lp == min(top.values()), (tok, top)
     assert "".join(c.logprobs.tokens) == c.text
+    zero = client.completions.create(model=service.model, prompt="The router picks", max_tokens=3,
+                                     logprobs=0, extra_body=EXTRA)  # fmt: skip
+    lz = zero.choices[0].logprobs
+    assert [list(t) for t in lz.top_logprobs] == [[tok] for tok in lz.tokens]
     rec = fetch(service, c.routed_experts["route_id"])
     assert rec.num_tokens == r.usage.prompt_tokens + 5
     check_handle(c.routed_experts, service, rec.num_tokens)
@@ -87,6 +97,8 @@ def test_chat_logprobs(client: openai.OpenAI, service: Service) -> None:
     content = r.choices[0].logprobs.content
     assert len(content) == 4 and all(len(e.top_logprobs) == 3 for e in content)
     assert all(e.logprob <= 0 for e in content)
+    # As vLLM's server: the first top_logprobs candidates, the sampled token first.
+    assert all(e.top_logprobs[0].token == e.token for e in content)
 
 
 def test_completions_streaming_handle_on_finish_chunk(
