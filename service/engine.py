@@ -92,6 +92,9 @@ class ChoiceDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
     raw_logprobs: dict[str, Any] | None = None
+    # The choice's last output: its ChoiceFinished follows (the stream then sends this output
+    # with the finish reason and the route handle, in one chunk, as vLLM's last chunk).
+    last: bool = False
 
 
 @dataclass

@@ -351,16 +351,17 @@ class SyntheticBackend(EngineBackend):
                     tok = 32 + x % 95  # printable ASCII: every token is one character
                     h[i] = _mix(h[i] ^ (tok + 1))
                     outs[i].append(tok)
+                    if tok in stop_ids and len(outs[i]) >= r.min_tokens:
+                        finished[i] = "stop"
+                    elif len(outs[i]) == max_tokens:
+                        finished[i] = "length"
                     yield ChoiceDelta(
                         index=i,
                         text=chr(tok),
                         token_ids=[tok],
                         logprobs=self._logprobs(tok, x, r.num_logprobs),
+                        last=finished[i] is not None,
                     )
-                    if tok in stop_ids and len(outs[i]) >= r.min_tokens:
-                        finished[i] = "stop"
-                    elif len(outs[i]) == max_tokens:
-                        finished[i] = "length"
                     if finished[i] is not None:
                         yield self._finished(
                             i, prompt, outs[i], finished[i], cached, r, salts[i], versions[i],

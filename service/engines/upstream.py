@@ -318,6 +318,7 @@ class UpstreamBackend(EngineBackend):
                 text=text_of(c) or "",
                 token_ids=out_ids,
                 raw_logprobs=c.get("logprobs"),
+                last=True,  # the whole choice at once: its finish follows
             )
             b64 = c.get("routed_experts")
             arr, row_start, error = None, asked, None

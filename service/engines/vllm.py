@@ -687,6 +687,7 @@ class VllmBackend(EngineBackend):
                         text=o.text,
                         token_ids=list(o.token_ids),
                         logprobs=self._logprobs(o, params.logprobs),
+                        last=o.finish_reason is not None,
                     )
                 if o.finish_reason is None:
                     continue

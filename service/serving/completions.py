@@ -429,6 +429,17 @@ class _ServingGeneration(abc.ABC, Generic[R]):
         )
 
     # -- streaming ---------------------------------------------------------------------------------
+    def _finishing(
+        self, ev: ChoiceFinished, last: dict[str, Any] | None, route: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The chunk that finishes a choice: its last output (or, when the engine finished it
+        without one, an empty one), the finish reason and the route handle."""
+        handle = {k: (v.model_dump(mode="json") if isinstance(v, RouteHandle) else v)
+                  for k, v in route.items()}  # fmt: skip
+        base = last or {"index": ev.index, "logprobs": None, **self._finish_choice(ev)}
+        return {**base, "finish_reason": ev.finish_reason, "stop_reason": ev.stop_reason,
+                **handle}  # fmt: skip
+
     async def _stream(
         self,
         greq: GenerationRequest[R],
@@ -458,6 +469,9 @@ class _ServingGeneration(abc.ABC, Generic[R]):
             return _sse(body)
 
         status = 200
+        # Each choice's last output, held until its finish: vLLM sends the last token with the
+        # finish reason, and the route handle rides on that chunk once the route is stored.
+        held: dict[int, dict[str, Any]] = {}
         try:
             for c in self._opening_chunks(greq, prompt_ids):
                 yield chunk(**c)
@@ -465,25 +479,19 @@ class _ServingGeneration(abc.ABC, Generic[R]):
                 if isinstance(ev, ChoiceDelta):
                     ch = choices[ev.index]
                     ch.add(ev)
-                    yield chunk(self._delta_choice(greq, ev, ch, prompt_ids))
+                    c = self._delta_choice(greq, ev, ch, prompt_ids)
                     ch.started = True
                     ch.text_len += len(ev.text)
+                    if ev.last:
+                        held[ev.index] = c
+                    else:
+                        yield chunk(c)
                 elif isinstance(ev, ChoiceFinished):
                     ch = choices[ev.index]
                     route = await self._capture(greq, prompt_ids, ch, ev, store)
-                    route = {
-                        k: (v.model_dump(mode="json") if isinstance(v, RouteHandle) else v)
-                        for k, v in route.items()
-                    }
-                    c = {
-                        "index": ev.index,
-                        "logprobs": None,
-                        "finish_reason": ev.finish_reason,
-                        "stop_reason": ev.stop_reason,
-                        **self._finish_choice(ev),
-                        **route,
-                    }
-                    yield chunk(c)
+                    yield chunk(self._finishing(ev, held.pop(ev.index, None), route))
+            for c in held.values():  # a last output whose finish never came: still sent
+                yield chunk(c)
             usage = self._usage(prompt_ids, choices)
             if r.include_usage_in_stream:
                 yield _sse({**base, "choices": [], "usage": usage.model_dump(mode="json")})

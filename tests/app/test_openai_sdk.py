@@ -137,6 +137,10 @@ async def test_completions_stream_handle_on_finish_chunk(svc: App) -> None:
     h = finishing[0].choices[0].model_extra["routed_experts"]
     check_handle(h, len(prompt_ids) + 7)
     await check_stored(svc, h["route_id"], prompt_ids + streamed)
+    # As vLLM: one chunk per token, the last token's chunk finishing the choice.
+    with_tokens = [c for c in chunks if c.choices and c.choices[0].model_extra.get("token_ids")]
+    assert len(with_tokens) == 7 and with_tokens[-1] is finishing[0]
+    assert finishing[0].choices[0].text == chr(streamed[-1])
 
 
 async def test_chat_stream_n2_and_prompt_ids_on_first_chunks(svc: App) -> None:
@@ -163,6 +167,7 @@ async def test_chat_stream_n2_and_prompt_ids_on_first_chunks(svc: App) -> None:
             tokens[c.index] += (c.model_extra or {}).get("token_ids") or []
             if c.finish_reason:
                 handles[c.index] = c.model_extra["routed_experts"]
+                assert c.delta.content, c  # as vLLM: the last token's chunk finishes it
     assert [handles[i]["route_id"] for i in (0, 1)] == ["sdk-stream-n2-0", "sdk-stream-n2-1"]
     assert tokens[0] != tokens[1]  # two samples, not one twice
     r0, r1 = [await check_stored(svc, f"sdk-stream-n2-{i}", prompt_ids + tokens[i]) for i in (0, 1)]
@@ -229,7 +234,7 @@ async def test_continuous_usage_stats(svc: App) -> None:
     )
     chunks = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
     counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
-    assert counts == [1, 2, 3, 3]  # three tokens, then the finishing chunk
+    assert counts == [1, 2, 3]  # as vLLM: the third token's chunk finishes the choice
 
 
 async def test_models_and_tokenization(svc: App) -> None:

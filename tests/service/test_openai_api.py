@@ -128,6 +128,9 @@ def test_completions_streaming_handle_on_finish_chunk(
     rec = fetch(service, h["route_id"])
     assert rec.token_ids[rec.prompt_len :].tolist() == streamed_ids
     assert text  # text was streamed
+    # As vLLM: the last token's chunk carries the finish (no empty chunk after it).
+    assert fc.model_extra["token_ids"] == streamed_ids[-len(fc.model_extra["token_ids"]) :] != []
+    assert chunks[-2] is finishing[0]  # then only the usage chunk
 
 
 def test_chat_streaming_n2(client: openai.OpenAI, service: Service) -> None:
