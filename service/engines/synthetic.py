@@ -142,6 +142,26 @@ def render_chat(
     return "".join(parts)
 
 
+def _check_sampling_ids(r: ChatCompletionRequest | CompletionRequest) -> None:
+    """The token ids of sampling fields inside the vocabulary, refused as vLLM's engine
+    refuses them (``SamplingParams._validate_*``: the field, the ids, the vocabulary size)."""
+    fields = (
+        ("logit_bias", [int(k) for k in r.logit_bias or {}], "in logit_bias contain"),
+        ("stop_token_ids", r.stop_token_ids or [], "in stop_token_ids contain"),
+    )
+    for field, ids, where in fields:
+        bad = [t for t in ids if not 0 <= t < _VOCAB]
+        if bad:
+            raise InvalidRequestError(
+                f"token_id(s) {bad} {where} out-of-vocab token ids. Vocabulary size: {_VOCAB}",
+                param=field,
+            )
+    if any(not 0 <= t < _VOCAB for t in r.allowed_token_ids or ()):
+        raise InvalidRequestError(
+            "allowed_token_ids contains out-of-vocab token id!", param="allowed_token_ids"
+        )
+
+
 class SyntheticBackend(EngineBackend):
     """See the module docstring. ``step_delay_s`` paces decoding (tests of streams and
     disconnects); ``block_size`` is the granularity of reported prefix-cache hits."""
@@ -300,6 +320,7 @@ class SyntheticBackend(EngineBackend):
         if self._dead:
             raise EngineUnavailableError("engine is dead", code="engine_dead")
         check_engine_fields(r)
+        _check_sampling_ids(r)
         weights = wants_route_weights(r, self.route_weights)
         prompt = render()
         max_tokens = self._max_tokens(r, prompt, field)

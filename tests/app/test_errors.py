@@ -321,3 +321,25 @@ async def test_every_bad_logit_bias_key_is_named(svc: App) -> None:
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "logit_bias": {"a": 1, "7": 2, "b": 3}}
     e = check_error(await svc.http.post("/v1/completions", json=body), 400, "logit_bias")
     assert "'a', 'b' are not" in e["message"], e
+
+
+@pytest.mark.parametrize(
+    "over, param, words",
+    [
+        ({"logit_bias": {"65": 1, "300": 2}}, "logit_bias", "token_id(s) [300] in logit_bias"),
+        ({"stop_token_ids": [10, 256, 999]}, "stop_token_ids", "token_id(s) [256, 999]"),
+        ({"allowed_token_ids": [65, 4096]}, "allowed_token_ids", "out-of-vocab token id"),
+    ],
+)
+async def test_sampling_ids_outside_the_vocabulary_are_refused(
+    svc: App, over: dict, param: str, words: str
+) -> None:
+    """The synthetic engine refuses them as vLLM's engine does (its vocabulary: 256 bytes)."""
+    msgs = [{"role": "user", "content": "x"}]
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
+                                                               {"messages": msgs})):  # fmt: skip
+        r = await svc.http.post(path, json={"model": MODEL, **body, "max_tokens": 2, **over})
+        e = check_error(r, 400, param)
+        assert words in e["message"], e
+        if param != "allowed_token_ids":
+            assert "Vocabulary size: 256" in e["message"], e
