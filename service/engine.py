@@ -272,12 +272,14 @@ class EngineBackend(abc.ABC):
         return None
 
 
-def check_engine_fields(request: ChatCompletionRequest | CompletionRequest) -> None:
+def check_engine_fields(
+    request: ChatCompletionRequest | CompletionRequest, structured: bool = False
+) -> None:
     """400 naming any field an in-process engine would otherwise silently ignore.
 
-    OpenAI features it does not implement (tools, structured output) and fields nobody declared
-    (``model_extra``: unknown, misspelled, or another server's extensions). The upstream backend
-    forwards both to vLLM instead.
+    OpenAI features it does not implement (tools; structured output unless ``structured``: the
+    engine constrains its sampling) and fields nobody declared (``model_extra``: unknown,
+    misspelled, or another server's extensions). The upstream backend forwards both to vLLM.
     """
     unsupported: dict[str, bool] = {}
     if isinstance(request, ChatCompletionRequest):
@@ -287,13 +289,24 @@ def check_engine_fields(request: ChatCompletionRequest | CompletionRequest) -> N
             "tool_choice": request.tool_choice not in (None, "none"),
             "function_call": request.function_call not in (None, "none"),
         }
-    rf = request.response_format
-    unsupported["response_format"] = rf is not None and rf.get("type") not in (None, "text")
     for name, present in unsupported.items():
         if present:
             raise InvalidRequestError(
                 f"{name} is not supported by the in-process engine (serve with "
                 "--backend upstream in front of a vLLM server configured for it)",
+                param=name,
+                code="unsupported",
+            )
+    rf = request.response_format
+    wants = {
+        "response_format": rf is not None and rf.get("type") not in (None, "text"),
+        "structured_outputs": request.structured_outputs is not None,
+    }
+    for name, present in wants.items():
+        if present and not structured:
+            raise InvalidRequestError(
+                f"{name}: this engine does not constrain its sampling (the synthetic engine); "
+                "vLLM does (--backend vllm, or --backend upstream)",
                 param=name,
                 code="unsupported",
             )

@@ -58,6 +58,11 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _MAX_TOKEN_ID = 2**31 - 1
+# vLLM's StructuredOutputsParams: the constraints (one per request) and their options.
+STRUCTURED_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+_STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_additional_properties",
+                       "whitespace_pattern")  # fmt: skip
+STRUCTURED_KEYS = STRUCTURED_CONSTRAINTS + _STRUCTURED_OPTIONS
 TokenId = Annotated[int, Field(ge=0, le=_MAX_TOKEN_ID)]
 
 
@@ -142,9 +147,11 @@ class SamplingFields(_Request):
     # vLLM extension: requests with different salts share no cached prefix (tenant isolation).
     # The engine's own salt for the weights generation is combined with it (docs/service.md).
     cache_salt: str | None = Field(None, min_length=1, max_length=128)
-    # OpenAI features the in-process engine does not implement: typed loosely here so the
-    # backend can refuse them by name (the upstream backend forwards them).
+    # Structured output, as vLLM: OpenAI's response_format (text, json_object, json_schema) and
+    # vLLM's structured_outputs (one of json, regex, choice, grammar, json_object,
+    # structural_tag, with its options); response_format's constraint wins over the same one.
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     # routereplay: "handle" (default) puts the small RouteHandle in choices[i].routed_experts;
     # "inline" reproduces vLLM's base64 .npy there (for callers written against vLLM).
     return_routed_experts: Literal["handle", "inline"] = "handle"
@@ -157,6 +164,50 @@ class SamplingFields(_Request):
     # routereplay: store the combine weights the engine applied beside the expert ids (the
     # record's ``weights``). Unset: the service's --route-weights default.
     routed_experts_weights: bool | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        kind = v.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+        if kind == "json_schema":
+            spec = v.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ValueError(
+                    'type \'json_schema\' needs json_schema: {"name": ..., "schema": {...}}'
+                )
+        return v
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _structured_outputs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        unknown = sorted(set(v) - set(STRUCTURED_CONSTRAINTS) - set(_STRUCTURED_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown}; vLLM's are {sorted(STRUCTURED_KEYS)}")
+        given = [k for k in STRUCTURED_CONSTRAINTS if v.get(k) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"needs exactly one of {list(STRUCTURED_CONSTRAINTS)}, got {given or 'none'}"
+            )
+        return v
+
+    def structured_output(self) -> dict[str, Any] | None:
+        """The keyword arguments of vLLM's ``StructuredOutputsParams`` this request asks for
+        (vLLM's merge: ``response_format`` replaces the constraint), or None."""
+        so = dict(self.structured_outputs or {})
+        rf = self.response_format or {}
+        if rf.get("type") in (None, "text"):
+            return so or None
+        for k in STRUCTURED_CONSTRAINTS:
+            so.pop(k, None)
+        if rf["type"] == "json_object":
+            return {**so, "json_object": True}
+        return {**so, "json": rf["json_schema"]["schema"]}
 
     @field_validator("stop")
     @classmethod

@@ -417,6 +417,11 @@ class VllmBackend(EngineBackend):
             # JSON object keys are strings; SamplingParams validates int token ids.
             kw["logit_bias"] = {int(t): b for t, b in r.logit_bias.items()}
         try:
+            constraint = r.structured_output()
+            if constraint is not None:
+                from vllm.sampling_params import StructuredOutputsParams
+
+                kw["structured_outputs"] = StructuredOutputsParams(**constraint)
             return SamplingParams(
                 n=r.n,
                 max_tokens=max_tokens,
@@ -539,7 +544,7 @@ class VllmBackend(EngineBackend):
         self, req: GenerationRequest, render: Any, field: str
     ) -> AsyncIterator[EngineEvent]:
         self._check_alive()
-        check_engine_fields(req.request)
+        check_engine_fields(req.request, structured=True)
         prompt = await self._render(render(), field)
         prompt_ids = list(prompt["prompt_token_ids"])
         if len(prompt_ids) >= self.info.max_model_len:

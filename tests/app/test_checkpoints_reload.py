@@ -83,9 +83,14 @@ class Backend:
         self.failed: str | None = None
         self.admission = Admission()
         self.prefix_cache_resets = {"cleared": 0, "refused": 0}
+        self.release = None  # VllmBackend's probe of the installed vLLM: none here
+        self.relabels = 0
 
     def fail(self, reason: str) -> None:
         self.dead, self.failed = True, reason
+
+    async def relabel(self) -> None:
+        self.relabels += 1
 
 
 def write_checkpoint(d: Path) -> Path:

@@ -343,3 +343,30 @@ async def test_sampling_ids_outside_the_vocabulary_are_refused(
         assert words in e["message"], e
         if param != "allowed_token_ids":
             assert "Vocabulary size: 256" in e["message"], e
+
+
+@pytest.mark.parametrize(
+    "over, param",
+    [
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "response_format"),
+        ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs"),
+        ({"structured_outputs": {}}, "structured_outputs"),
+        ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
+    ],
+)  # fmt: skip
+async def test_structured_output_fields_are_checked(svc: App, over: dict, param: str) -> None:
+    """vLLM's shapes: response_format text / json_object / json_schema with a schema, and
+    structured_outputs with exactly one constraint of StructuredOutputsParams."""
+    e = check_error(await svc.http.post("/v1/chat/completions", json=chat(**over)), 400, param)
+    assert e["code"] != "unsupported", e  # refused for its shape, before any engine
+
+
+async def test_the_synthetic_engine_refuses_to_constrain(svc: App) -> None:
+    for over in ({"structured_outputs": {"choice": ["a", "b"]}},
+                 {"response_format": {"type": "json_object"}}):  # fmt: skip
+        (name,) = over
+        e = check_error(await svc.http.post("/v1/chat/completions", json=chat(**over)), 400, name)
+        assert e["code"] == "unsupported" and "does not constrain" in e["message"], e

@@ -237,3 +237,58 @@ def test_tokenize_matches_the_engine(service: Service) -> None:
     assert "tokenize me" in text["prompt"]
     plain = httpx.post(f"{service.url}/tokenize", json={"prompt": "abc"}).json()
     assert plain["count"] == len(plain["tokens"]) > 0
+
+
+def _stored_whole(service: Service, handle: dict, prompt_ids: list[int], out_ids: list[int]):
+    check_handle(handle, service, len(prompt_ids) + len(out_ids))
+    rec = fetch(service, handle["route_id"])
+    assert rec.token_ids.tolist() == prompt_ids + out_ids
+    return rec
+
+
+@pytest.mark.parametrize(
+    "constraint, fits",
+    [
+        ({"choice": ["alpha", "beta"]}, lambda t: t in ("alpha", "beta")),
+        ({"regex": "[0-9]{3}"}, lambda t: len(t) == 3 and t.isdigit()),
+        ({"json": {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
+                   "additionalProperties": False}, "disable_any_whitespace": True},
+         lambda t: t in ('{"a":"x"}', '{"a":"y"}')),
+    ],
+)  # fmt: skip
+def test_structured_outputs_constrain_and_store_routes(
+    service: Service, constraint: dict, fits
+) -> None:
+    """vLLM's structured_outputs on the real engine: the text fits the constraint, and the
+    route is stored whole, as for a plain request."""
+    msgs = [{"role": "user", "content": "A?"}]
+    for path, body in (("/completions", {"prompt": "Answer:"}),
+                       ("/chat/completions", {"messages": msgs})):  # fmt: skip
+        r = httpx.post(
+            f"{service.v1}{path}",
+            json={"model": service.model, **body, "max_tokens": 24, "temperature": 1.0,
+                  "seed": 3, "return_token_ids": True, "structured_outputs": constraint},
+            timeout=300,
+        )  # fmt: skip
+        assert r.status_code == 200, r.text
+        out = r.json()
+        c = out["choices"][0]
+        text = c["text"] if "text" in c else c["message"]["content"]
+        assert fits(text), (path, text)
+        prompt_ids = c.get("prompt_token_ids") or out["prompt_token_ids"]
+        _stored_whole(service, c["routed_experts"], prompt_ids, c["token_ids"])
+
+
+def test_response_format_json_schema_constrains_chat(
+    client: openai.OpenAI, service: Service
+) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    r = client.chat.completions.create(
+        model=service.model, messages=[{"role": "user", "content": "json please"}],
+        max_tokens=32, seed=5, extra_body={"return_token_ids": True},
+        response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}},
+    )  # fmt: skip
+    c = r.choices[0]
+    assert c.message.content.lstrip().startswith("{"), c.message.content
+    _stored_whole(service, c.routed_experts, r.model_extra["prompt_token_ids"],
+                  c.model_extra["token_ids"])  # fmt: skip
