@@ -36,6 +36,10 @@ def start(tiny_model: Path, redis_url: str, log: Path) -> tuple[subprocess.Popen
         sys.executable, "-m", "routereplay.cli", "serve", "--port", str(port),
         "--redis-url", redis_url, "--model-dir", str(tiny_model.parent),
         "--max-model-len", "512",
+        # Unpinned: on the 2-core host every engine of the run binds its worker to core 0
+        # (--cpu-bind auto), and a worker starved there while it exits outlasts vLLM's grace
+        # period; the stop itself is the same either way.
+        "--cpu-bind", "none",
     ]  # fmt: skip
     with open(log, "wb") as f:
         # Its own process group, as a shell gives a foreground job: the group gets the Ctrl-C.
