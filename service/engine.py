@@ -43,12 +43,17 @@ __all__ = [
     "EngineBackend",
     "EngineEvent",
     "GenerationRequest",
+    "Logprob",
     "PauseMode",
+    "PromptLogprobs",
     "PromptRendered",
     "RLControl",
     "RouteWeightsMode",
     "TokenLogprob",
     "check_engine_fields",
+    "echo_logprobs",
+    "token_text",
+    "truncate_prompt",
     "wants_route_weights",
 ]
 
@@ -70,16 +75,38 @@ class GenerationRequest(Generic[R]):
 class TokenLogprob:
     """Log-probability of one sampled token and its candidates (token text, logprob) as vLLM
     gives them for ``logprobs: k``: the sampled token first, then the top ``k`` by rank (the
-    sampled token once when it is among them)."""
+    sampled token once when it is among them), or the ``logprob_token_ids``. A prompt's first
+    token (echo) has none: ``logprob`` and ``top`` are None."""
 
     token: str
+    logprob: float | None
+    top: list[tuple[str, float]] | None
+
+
+@dataclass
+class Logprob:
+    """One candidate of a prompt position, as vLLM's ``Logprob``."""
+
     logprob: float
-    top: list[tuple[str, float]]
+    rank: int | None
+    decoded_token: str | None
+
+
+# Per prompt token: None (the first has no context) or {token id: Logprob} for the token
+# itself, then its top k.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
 class PromptRendered:
+    """The prompt as the engine runs it; its text (for ``echo``) and, when asked for, its
+    logprobs."""
+
     prompt_token_ids: list[int]
+    prompt_text: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    # echo with logprobs (completions): the prompt's tokens as the response's logprobs show them
+    echo_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -145,6 +172,51 @@ def wants_route_weights(request: ChatCompletionRequest | CompletionRequest, mode
             code="unsupported",
         )
     return wanted
+
+
+def truncate_prompt(
+    ids: list[int], request: ChatCompletionRequest | CompletionRequest, max_model_len: int
+) -> list[int]:
+    """``ids`` cut to ``truncate_prompt_tokens`` as vLLM cuts them: from the left unless
+    ``truncation_side`` is right; -1 keeps what leaves room for one output token."""
+    k = request.truncate_prompt_tokens
+    if k is None:
+        return ids
+    most = max_model_len - 1
+    if k > most:
+        raise InvalidRequestError(
+            f"truncate_prompt_tokens={k} cannot be greater than the model's context of "
+            f"{max_model_len} tokens less one for the output ({most})",
+            param="truncate_prompt_tokens",
+        )
+    keep = most if k == -1 else k
+    if keep >= len(ids):
+        return ids
+    return ids[:keep] if request.truncation_side == "right" else ids[len(ids) - keep :]
+
+
+def token_text(token_id: int, text: str, request: ChatCompletionRequest | CompletionRequest) -> str:
+    """A token as logprobs show it: its text, or ``token_id:<id>`` when the request asks."""
+    return f"token_id:{token_id}" if request.return_tokens_as_token_ids else text
+
+
+def echo_logprobs(
+    prompt_ids: list[int],
+    plp: PromptLogprobs,
+    first_text: str,
+    request: ChatCompletionRequest | CompletionRequest,
+) -> list[TokenLogprob]:
+    """The prompt's tokens as ``echo`` with logprobs shows them (vLLM: the first token without
+    a logprob, each other its own and at most ``logprobs`` + 1 candidates)."""
+    k = request.num_logprobs or 0
+    out = [TokenLogprob(token_text(prompt_ids[0], first_text, request), None, None)]
+    for tok, pos in zip(prompt_ids[1:], plp[1:], strict=True):
+        own = (pos or {}).get(tok)
+        cands = list((pos or {}).items())[: k + 1]
+        top = [(token_text(t, lp.decoded_token or "", request), lp.logprob) for t, lp in cands]
+        text = (own.decoded_token if own else None) or ""
+        out.append(TokenLogprob(token_text(tok, text, request), own and own.logprob, top))
+    return out
 
 
 class RLControl(abc.ABC):

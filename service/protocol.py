@@ -54,6 +54,9 @@ __all__ = [
 # checked separately against the rendered prompt.
 MAX_N = 64
 MAX_LOGPROBS = 20
+MAX_LOGPROB_IDS = 128
+# Prompts of one completions request (each gets its own n choices and route ids).
+MAX_PROMPTS = 256
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -164,6 +167,15 @@ class SamplingFields(_Request):
     # routereplay: store the combine weights the engine applied beside the expert ids (the
     # record's ``weights``). Unset: the service's --route-weights default.
     routed_experts_weights: bool | None = None
+    # vLLM extensions: each prompt token's logprob and its top k (0: the token's own);
+    # logprobs of these token ids at every sampled position (instead of the top k);
+    # the prompt cut to its last (or first) k tokens (-1: as many as the context allows);
+    # logprobs' tokens spelled "token_id:<id>".
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprob_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_LOGPROB_IDS)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
+    truncation_side: Literal["left", "right"] | None = None
+    return_tokens_as_token_ids: bool | None = None
 
     @field_validator("response_format")
     @classmethod
@@ -271,6 +283,34 @@ class SamplingFields(_Request):
             raise ValueError("can only be set when stream is true")
         return v
 
+    @field_validator("prompt_logprobs", mode="before")
+    @classmethod
+    def _prompt_logprobs(cls, v: Any, info: ValidationInfo) -> Any:
+        if v == -1 and type(v) is int:
+            # vLLM's -1 is the whole vocabulary, which its default max_logprobs refuses too.
+            raise ValueError(f"-1 (the whole vocabulary) is more than the {MAX_LOGPROBS} allowed")
+        if type(v) is int and v > 0 and info.data.get("stream"):
+            raise ValueError("prompt logprobs are not available when stream is true")
+        return v
+
+    @model_validator(mode="after")
+    def _logprob_token_ids_need_logprobs(self) -> SamplingFields:
+        if self.logprob_token_ids and not self.num_logprobs_set:
+            raise ValueError("logprob_token_ids needs logprobs set")
+        return self
+
+    @property
+    def num_logprobs_set(self) -> bool:
+        return self.num_logprobs is not None  # type: ignore[attr-defined]
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """vLLM's ``SamplingParams.prompt_logprobs``: asked for, or what ``echo`` with logprobs
+        shows of the prompt."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.num_logprobs if self.echo else None  # type: ignore[attr-defined]
+
 
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``."""
@@ -331,10 +371,12 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    """``POST /v1/completions``. One prompt per request (route ids are request-choice)."""
+    """``POST /v1/completions``. A list of prompts is a batch: prompt ``p``'s choices have the
+    indexes ``p * n .. p * n + n - 1`` and their own route ids, as vLLM numbers them."""
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    # 0 only with echo: the prompt scored, nothing shown of what follows (as vLLM).
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -344,36 +386,54 @@ class CompletionRequest(SamplingFields):
     @classmethod
     def _token_ids_in_range(cls, v: Any) -> Any:
         # Before the union: a negative id would otherwise read "Input should be a valid string".
-        ids = v[0] if isinstance(v, list) and len(v) == 1 and isinstance(v[0], list) else v
-        if isinstance(ids, list) and ids and all(type(x) is int for x in ids):
-            bad = [x for x in ids if not 0 <= x <= _MAX_TOKEN_ID]
-            if bad:
-                raise ValueError(
-                    f"token ids must be >= 0 and <= {_MAX_TOKEN_ID}; got {bad[:8]}"
-                    + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
-                )
+        batch = v if isinstance(v, list) and v and all(isinstance(x, list) for x in v) else [v]
+        for j, ids in enumerate(batch):
+            if isinstance(ids, list) and ids and all(type(x) is int for x in ids):
+                bad = [x for x in ids if not 0 <= x <= _MAX_TOKEN_ID]
+                if bad:
+                    where = f"prompt {j}: " if len(batch) > 1 else ""
+                    raise ValueError(
+                        f"{where}token ids must be >= 0 and <= {_MAX_TOKEN_ID}; got {bad[:8]}"
+                        + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+                    )
         return v
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: Any) -> Any:
-        # A list of prompts is a batch; one prompt per request keeps route ids = request-choice.
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("send one prompt per request (batched prompts are not supported)")
-            v = v[0]
-        if isinstance(v, list) and not v:
-            raise ValueError("prompt is empty")
-        if v == "":
-            raise ValueError("prompt is empty")
+    def _prompts(cls, v: Any) -> Any:
+        batch = v if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+        if len(batch) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(batch)}")
+        for j, p in enumerate(batch):
+            if p == "" or p == []:
+                raise ValueError("prompt is empty" if len(batch) == 1 else f"prompt {j} is empty")
         return v
+
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 needs echo=true (the prompt is then all that is shown)")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request, one for a single prompt."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return list(p)  # type: ignore[arg-type]
+        return [p]  # type: ignore[list-item]
+
+    def one(self, prompt: str | list[int]) -> CompletionRequest:
+        """This request for one of its prompts."""
+        return self.model_copy(update={"prompt": prompt})
 
     @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        # max_tokens 0 (echo only): the engine still samples one token, which is not shown.
+        return 1 if self.max_tokens == 0 else self.max_tokens
 
     def prompt_chars(self) -> int:
-        return len(self.prompt) if isinstance(self.prompt, str) else 0
+        return max(len(p) if isinstance(p, str) else 0 for p in self.prompts)
 
     @property
     def max_tokens_field(self) -> str:
@@ -443,11 +503,16 @@ class ChatChoice(_Choice):
     message: ChatMessage
 
 
+# vLLM's prompt_logprobs: per prompt token null (the first) or {token id: {"logprob", "rank",
+# "decoded_token"}} for the token itself and the top k.
+PromptLogprobsOut = list[dict[str, dict[str, Any]] | None] | None
+
+
 class CompletionChoice(_Choice):
     text: str
-    # vLLM puts the prompt's token ids on each completion choice (chat: on the response), and
-    # its prompt_logprobs beside them (null: this service does not compute them).
-    prompt_logprobs: None = None
+    # vLLM puts the prompt's token ids and logprobs on each completion choice (chat: on the
+    # response).
+    prompt_logprobs: PromptLogprobsOut = None
     prompt_token_ids: list[int] | None = None
 
 
@@ -461,7 +526,7 @@ class _Response(BaseModel):
 class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
-    prompt_logprobs: None = None
+    prompt_logprobs: PromptLogprobsOut = None
     prompt_token_ids: list[int] | None = None
 
 

@@ -35,12 +35,17 @@ from ..engine import (
     EngineBackend,
     EngineEvent,
     GenerationRequest,
+    Logprob,
     PauseMode,
+    PromptLogprobs,
     PromptRendered,
     RLControl,
     RouteWeightsMode,
     TokenLogprob,
     check_engine_fields,
+    echo_logprobs,
+    token_text,
+    truncate_prompt,
     wants_route_weights,
 )
 from ..errors import EngineUnavailableError, InvalidRequestError
@@ -148,6 +153,7 @@ def _check_sampling_ids(r: ChatCompletionRequest | CompletionRequest) -> None:
     fields = (
         ("logit_bias", [int(k) for k in r.logit_bias or {}], "in logit_bias contain"),
         ("stop_token_ids", r.stop_token_ids or [], "in stop_token_ids contain"),
+        ("logprob_token_ids", r.logprob_token_ids or [], "in logprob_token_ids contain"),
     )
     for field, ids, where in fields:
         bad = [t for t in ids if not 0 <= t < _VOCAB]
@@ -322,7 +328,8 @@ class SyntheticBackend(EngineBackend):
         check_engine_fields(r)
         _check_sampling_ids(r)
         weights = wants_route_weights(r, self.route_weights)
-        prompt = render()
+        rendered = render()
+        prompt = truncate_prompt(rendered, r, self.info.max_model_len)
         max_tokens = self._max_tokens(r, prompt, field)
         greedy = r.temperature == 0
         if greedy and r.n > 1:
@@ -331,7 +338,16 @@ class SyntheticBackend(EngineBackend):
             )
         seed = 0 if greedy else (r.seed if r.seed is not None else random.getrandbits(63))
         stop_ids = set(r.stop_token_ids or ())
-        yield PromptRendered(prompt_token_ids=list(prompt))
+        plp = self._prompt_logprobs(prompt, r)
+        echoed = None
+        if plp is not None and r.echo and r.num_logprobs is not None:
+            echoed = echo_logprobs(prompt, plp, chr(prompt[0]), r)
+        yield PromptRendered(
+            prompt_token_ids=list(prompt),
+            prompt_text=self._prompt_text(r, prompt, rendered),
+            prompt_logprobs=plp,
+            echo_logprobs=echoed,
+        )
         # Paused: not scheduled until resumed (vLLM's semantics for new requests).
         await self._resumed.wait()
         hashes = _prefix_hashes(prompt)
@@ -380,7 +396,7 @@ class SyntheticBackend(EngineBackend):
                         index=i,
                         text=chr(tok),
                         token_ids=[tok],
-                        logprobs=self._logprobs(tok, x, r.num_logprobs),
+                        logprobs=self._logprobs(tok, x, r),
                         last=finished[i] is not None,
                     )
                     if finished[i] is not None:
@@ -468,12 +484,48 @@ class SyntheticBackend(EngineBackend):
         )
 
     @staticmethod
-    def _logprobs(tok: int, x: int, k: int | None) -> list[TokenLogprob] | None:
+    def _logprobs(tok: int, x: int, r: ChatCompletionRequest | CompletionRequest
+                  ) -> list[TokenLogprob] | None:  # fmt: skip
+        """The sampled token first, then the top k (or the ``logprob_token_ids``), as vLLM."""
+        k = r.num_logprobs
         if k is None:
             return None
         lp = -((x >> 8) % 1000) / 1000.0 - 0.01
-        top = [(chr(tok), lp)] + [(chr(32 + (tok - 32 + j) % 95), lp - j) for j in range(1, k)]
-        return [TokenLogprob(token=chr(tok), logprob=lp, top=top)]
+        alt = r.logprob_token_ids or [32 + (tok - 32 + j) % 95 for j in range(1, k)]
+        top = [(token_text(tok, chr(tok), r), lp)] + [
+            (token_text(t, chr(t), r), lp - 1 - j) for j, t in enumerate(alt) if t != tok
+        ]
+        return [TokenLogprob(token=token_text(tok, chr(tok), r), logprob=lp, top=top)]
+
+    @staticmethod
+    def _prompt_text(
+        r: ChatCompletionRequest | CompletionRequest, prompt: list[int], rendered: list[int]
+    ) -> str | None:
+        if not (isinstance(r, CompletionRequest) and r.echo):
+            return None
+        if isinstance(r.prompt, str) and prompt == rendered:
+            return r.prompt
+        return bytes(prompt).decode("utf-8", errors="replace")
+
+    @staticmethod
+    def _prompt_logprobs(
+        prompt: list[int], r: ChatCompletionRequest | CompletionRequest
+    ) -> PromptLogprobs | None:
+        """Deterministic per prefix: each token's own logprob, then its top k (rank 1 up)."""
+        k = r.num_prompt_logprobs
+        if k is None:
+            return None
+        out: PromptLogprobs = [None]
+        hashes = _prefix_hashes(prompt)
+        for j in range(1, len(prompt)):
+            x = _mix(hashes[j - 1])
+            own = -((x >> 8) % 1000) / 1000.0 - 0.01
+            pos = {prompt[j]: Logprob(own, 1 + x % 7, chr(prompt[j]))}
+            for rank in range(1, k + 1):
+                t = (x + rank) % _VOCAB
+                pos.setdefault(t, Logprob(-rank / 4.0, rank, chr(t)))
+            out.append(pos)
+        return out
 
 
 class _SyntheticRL(RLControl):

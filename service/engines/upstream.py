@@ -29,6 +29,7 @@ from ..engine import (
     EngineBackend,
     EngineEvent,
     GenerationRequest,
+    Logprob,
     PauseMode,
     PromptRendered,
     RLControl,
@@ -281,10 +282,35 @@ class UpstreamBackend(EngineBackend):
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return None
 
+    async def _rendered(
+        self, r: Any, prompt_ids: list[int], data: dict[str, Any], choices: list[dict[str, Any]]
+    ) -> PromptRendered:
+        """The prompt as the upstream ran it: its logprobs (chat: on the response, completions:
+        on each choice), and for completions' echo its text (the upstream, asked for token ids,
+        echoes none)."""
+        raw = data.get("prompt_logprobs") or (
+            choices[0].get("prompt_logprobs") if choices else None
+        )
+        plp = None
+        if raw is not None:
+            plp = [
+                None if pos is None else {int(t): Logprob(**v) for t, v in pos.items()}
+                for pos in raw
+            ]
+        text = None
+        if isinstance(r, CompletionRequest) and r.echo:
+            text = r.prompt if isinstance(r.prompt, str) else str(
+                (await self._post("/detokenize", {"model": self.upstream_model,
+                                                  "tokens": prompt_ids}))["prompt"]
+            )  # fmt: skip
+        return PromptRendered(prompt_token_ids=prompt_ids, prompt_text=text, prompt_logprobs=plp)
+
     async def _forward(
         self, req: GenerationRequest, path: str, text_of: Callable[[dict[str, Any]], str | None]
     ) -> AsyncIterator[EngineEvent]:
         body = self._body(req.request)
+        if isinstance(req.request, ChatCompletionRequest):
+            body.pop("echo", None)  # the serving layer echoes the last message
         body.update(stream=False, return_token_ids=True)
         # vLLM's server does not return weight-version spans: the version before and after the
         # call brackets them. Equal: every row had it. Different: the weights changed during the
@@ -309,7 +335,7 @@ class UpstreamBackend(EngineBackend):
                 "the upstream returned no prompt_token_ids (a vLLM without return_token_ids?)",
                 code="upstream_incompatible",
             )
-        yield PromptRendered(prompt_token_ids=list(prompt_ids))
+        yield await self._rendered(req.request, list(prompt_ids), data, choices)
         asked = req.request.routed_experts_prompt_start if self.release.prompt_start else 0
         for c in choices:
             out_ids = list(c.get("token_ids") or [])

@@ -22,11 +22,16 @@ from ..engine import (
     EngineBackend,
     EngineEvent,
     GenerationRequest,
+    Logprob,
+    PromptLogprobs,
     PromptRendered,
     RLControl,
     RouteWeightsMode,
     TokenLogprob,
     check_engine_fields,
+    echo_logprobs,
+    token_text,
+    truncate_prompt,
     wants_route_weights,
 )
 from ..errors import EngineUnavailableError, InvalidRequestError, ServiceError, StartupRefused
@@ -413,6 +418,10 @@ class VllmBackend(EngineBackend):
                 param="routed_experts_prompt_start",
             )
         kw = {k: getattr(r, k) for k in _PASS_THROUGH if getattr(r, k) is not None}
+        logprobs = r.num_logprobs
+        if r.logprob_token_ids:
+            kw["logprob_token_ids"] = self._logprob_token_ids(r.logprob_token_ids)
+            logprobs = None  # as vLLM: the ids replace the top k
         if r.logit_bias is not None:
             # JSON object keys are strings; SamplingParams validates int token ids.
             kw["logit_bias"] = {int(t): b for t, b in r.logit_bias.items()}
@@ -427,7 +436,8 @@ class VllmBackend(EngineBackend):
                 max_tokens=max_tokens,
                 min_tokens=r.min_tokens,
                 ignore_eos=r.ignore_eos,
-                logprobs=r.num_logprobs,
+                logprobs=logprobs,
+                prompt_logprobs=r.num_prompt_logprobs,
                 routed_experts_prompt_start=r.routed_experts_prompt_start,
                 # DELTA: each message carries only new tokens, so streaming costs O(new) per step.
                 output_kind=RequestOutputKind.DELTA,
@@ -435,6 +445,23 @@ class VllmBackend(EngineBackend):
             )
         except (VLLMClientError, ValueError) as e:
             raise _client_error(e, r) from e
+
+    def _logprob_token_ids(self, ids: list[int]) -> list[int]:
+        if self.release is not None and not self.release.logprob_token_ids:
+            raise InvalidRequestError(
+                f"logprob_token_ids: vLLM {self.release.version} has no logprob_token_ids "
+                "(SamplingParams.logprob_token_ids)",
+                param="logprob_token_ids",
+                code="unsupported",
+            )
+        vocab = len(self._tokenizer)
+        bad = [t for t in ids if t >= vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"logprob_token_ids: {bad[:8]} outside the vocabulary of {vocab}",
+                param="logprob_token_ids",
+            )
+        return list(ids)
 
     @staticmethod
     def _chat_params(
@@ -547,6 +574,11 @@ class VllmBackend(EngineBackend):
         check_engine_fields(req.request, structured=True)
         prompt = await self._render(render(), field)
         prompt_ids = list(prompt["prompt_token_ids"])
+        cut = truncate_prompt(prompt_ids, req.request, self.info.max_model_len)
+        if len(cut) != len(prompt_ids):
+            # The text no longer matches the ids: the engine gets the ids alone.
+            prompt = {k: v for k, v in prompt.items() if k != "prompt"}
+            prompt["prompt_token_ids"] = prompt_ids = cut
         if len(prompt_ids) >= self.info.max_model_len:
             raise InvalidRequestError(
                 f"{field} has {len(prompt_ids)} tokens; the model's context is "
@@ -574,9 +606,10 @@ class VllmBackend(EngineBackend):
         ticket, outputs, first = await self._submit(req, prompt, params)
         label = self._label
         try:
-            yield PromptRendered(prompt_token_ids=prompt_ids)
+            yield self._rendered(req.request, prompt, prompt_ids, first.prompt_logprobs)
             spans = partial(self._whole_span, ticket, label)
-            async for ev in self._events(params, weights, _chain(first, outputs), spans):
+            events = self._events(req.request, params, weights, _chain(first, outputs), spans)
+            async for ev in events:
                 yield ev
         except ServiceError:
             raise
@@ -665,8 +698,41 @@ class VllmBackend(EngineBackend):
         if self.release is not None and not self.release.weight_versions:
             self._label = (self._label[0] + 1, str(await self.engine.get_weight_version()))
 
+    def _rendered(self, r: Any, prompt: Any, ids: list[int], plp: Any) -> PromptRendered:
+        logprobs = self._prompt_logprobs(plp, r)
+        echoed = None
+        if logprobs is not None and r.echo and r.num_logprobs is not None:
+            echoed = echo_logprobs(ids, logprobs, self._tokenizer.decode([ids[0]]), r)
+        return PromptRendered(
+            prompt_token_ids=ids,
+            prompt_text=self._prompt_text(r, prompt, ids),
+            prompt_logprobs=logprobs,
+            echo_logprobs=echoed,
+        )
+
+    def _prompt_text(self, r: Any, prompt: Any, prompt_ids: list[int]) -> str | None:
+        """The prompt's text, for ``echo`` (vLLM's: the text sent, else the ids decoded)."""
+        if not (isinstance(r, CompletionRequest) and r.echo):
+            return None  # chat echoes the last message (the serving layer)
+        text = prompt.get("prompt")
+        return text if isinstance(text, str) else self._tokenizer.decode(prompt_ids)
+
+    def _prompt_logprobs(self, plp: Any, r: Any) -> PromptLogprobs | None:
+        if plp is None or r.num_prompt_logprobs is None:
+            return None
+        return [
+            None
+            if pos is None
+            else {
+                int(t): Logprob(_finite(lp.logprob), lp.rank, lp.decoded_token)
+                for t, lp in pos.items()
+            }
+            for pos in plp
+        ]
+
     async def _events(
         self,
+        request: Any,
         params: Any,
         weights: bool,
         outputs: AsyncIterator[Any],
@@ -691,7 +757,7 @@ class VllmBackend(EngineBackend):
                         index=i,
                         text=o.text,
                         token_ids=list(o.token_ids),
-                        logprobs=self._logprobs(o, params.logprobs),
+                        logprobs=self._logprobs(o, request),
                         last=o.finish_reason is not None,
                     )
                 if o.finish_reason is None:
@@ -756,25 +822,27 @@ class VllmBackend(EngineBackend):
             weight_versions=spans,
         )
 
-    def _logprobs(self, o: Any, k: int | None) -> list[TokenLogprob] | None:
-        if k is None or not o.logprobs:
+    def _logprobs(self, o: Any, r: Any) -> list[TokenLogprob] | None:
+        if r.num_logprobs is None or not o.logprobs:
             return None
         # vLLM's candidates per position: the sampled token, then the top k by rank (one entry
-        # when the sampled token is among them), in that order; the serving layer shows what
-        # vLLM's server shows of them (TokenLogprob).
+        # when the sampled token is among them) or the logprob_token_ids, in that order; the
+        # serving layer shows what vLLM's server shows of them (TokenLogprob).
         res = []
         for tok, pos in zip(o.token_ids, o.logprobs, strict=False):
             chosen = pos.get(tok)
             res.append(
                 TokenLogprob(
-                    token=self._text(tok, chosen),
+                    token=self._text(tok, chosen, r),
                     logprob=_finite(chosen.logprob if chosen is not None else None),
-                    top=[(self._text(t, lp), _finite(lp.logprob)) for t, lp in pos.items()],
+                    top=[(self._text(t, lp, r), _finite(lp.logprob)) for t, lp in pos.items()],
                 )
             )
         return res
 
-    def _text(self, token_id: int, lp: Any) -> str:
+    def _text(self, token_id: int, lp: Any, r: Any = None) -> str:
+        if r is not None and r.return_tokens_as_token_ids:
+            return token_text(token_id, "", r)
         if lp is not None and lp.decoded_token is not None:
             return lp.decoded_token
         if self._tokenizer is not None:

@@ -10,7 +10,9 @@ Within that range the service asks vLLM what it has rather than reading its vers
 - weight-version spans on each output (``RequestOutput.weight_versions``): without them a
   route's ``weight_versions`` is empty (unknown);
 - ``/shutdown_weight_transfer_engine``: ``AsyncLLM.shutdown_weight_transfer_engine``;
-- the engine's retryable request error (``vllm.exceptions.RetryableRequestError``).
+- the engine's retryable request error (``vllm.exceptions.RetryableRequestError``);
+- ``logprob_token_ids`` (``SamplingParams.logprob_token_ids``): a request asking for it on a
+  release without it is a 400 naming the release.
 
 A release outside the range is refused at start by name (0.29 ends the engine on a request
 whose ``routed_experts_prompt_start`` is its prompt length; 0.27-0.28 lack
@@ -61,6 +63,7 @@ class VllmRelease:
     retryable_error: bool  # vllm.exceptions.RetryableRequestError
     route_weights: str | None  # the reviewed release the capture sources match; None: none
     route_weights_refusal: str | None  # why --route-weights cannot run on it (None: it can)
+    logprob_token_ids: bool = False  # SamplingParams.logprob_token_ids
 
     def features(self) -> str:
         """One line: the features this release gives the service."""
@@ -111,6 +114,7 @@ def probe() -> VllmRelease:
         retryable_error=_has("vllm.exceptions", "RetryableRequestError", None),
         route_weights=reviewed,
         route_weights_refusal=refusal,
+        logprob_token_ids=_has("vllm.sampling_params", "SamplingParams", "logprob_token_ids"),
     )
 
 

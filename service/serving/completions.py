@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -33,6 +34,7 @@ from ..engine import (
     EngineBackend,
     EngineEvent,
     GenerationRequest,
+    PromptLogprobs,
     PromptRendered,
     TokenLogprob,
 )
@@ -82,6 +84,75 @@ class _Choice:
             self.logprobs.extend(ev.logprobs)
         if ev.raw_logprobs is not None:
             self.raw_logprobs = _merge_raw_logprobs(self.raw_logprobs, ev.raw_logprobs)
+
+
+@dataclass
+class _Prompts:
+    """The rendered prompts of one request: choice ``i`` is of prompt ``i // n`` (vLLM's
+    numbering of a batch's choices)."""
+
+    rendered: list[PromptRendered]
+    n: int
+
+    def of(self, i: int) -> PromptRendered:
+        return self.rendered[i // self.n]
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.rendered) * self.n
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(p.prompt_token_ids) for p in self.rendered)
+
+
+def _prompt_logprobs_json(plp: PromptLogprobs | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's ``prompt_logprobs`` as JSON: token id keys, ``Logprob`` objects."""
+    if plp is None:
+        return None
+    return [
+        None
+        if pos is None
+        else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in pos.items()
+        }
+        for pos in plp
+    ]
+
+
+async def _merged(streams: list[AsyncIterator[EngineEvent]], n: int) -> AsyncIterator[EngineEvent]:
+    """The events of a batch's streams (each past its prompt) as one: prompt ``j``'s choice
+    ``i`` becomes choice ``j * n + i``. The first failure of any stream ends them all."""
+    queue: asyncio.Queue[EngineEvent | BaseException | None] = asyncio.Queue()
+
+    async def pump(j: int, events: AsyncIterator[EngineEvent]) -> None:
+        try:
+            async for ev in events:
+                if isinstance(ev, ChoiceDelta | ChoiceFinished):
+                    ev = dataclasses.replace(ev, index=ev.index + j * n)
+                queue.put_nowait(ev)
+            queue.put_nowait(None)
+        except Exception as e:
+            queue.put_nowait(e)
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+
+    tasks = [asyncio.ensure_future(pump(j, s)) for j, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _merge_raw_logprobs(acc: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
@@ -178,21 +249,25 @@ class _ServingGeneration(abc.ABC, Generic[R]):
     def _response(
         self,
         greq: GenerationRequest[R],
-        prompt_ids: list[int],
+        prompts: _Prompts,
         choices: list[_Choice],
         routes: dict[int, dict[str, Any]],
         usage: Usage,
     ) -> dict[str, Any]: ...
 
+    def _parts(self, greq: GenerationRequest[R]) -> list[GenerationRequest[R]]:
+        """The engine requests ``greq`` is served by (completions: one per prompt)."""
+        return [greq]
+
     def _opening_chunks(
-        self, greq: GenerationRequest[R], prompt_ids: list[int]
+        self, greq: GenerationRequest[R], prompts: _Prompts
     ) -> list[dict[str, Any]]:
         """Chunks sent before any token (chat: the assistant role); each ``{"choice", **extra}``."""
         return []
 
     @abc.abstractmethod
     def _delta_choice(
-        self, greq: GenerationRequest[R], ev: ChoiceDelta, ch: _Choice, prompt_ids: list[int]
+        self, greq: GenerationRequest[R], ev: ChoiceDelta, ch: _Choice, prompt: PromptRendered
     ) -> dict[str, Any]: ...
 
     @abc.abstractmethod
@@ -259,8 +334,6 @@ class _ServingGeneration(abc.ABC, Generic[R]):
                 param="model",
                 code="model_not_found",
             )
-        if request.echo:
-            raise InvalidRequestError("echo is not supported", param="echo", code="unsupported")
         rt = request.requested_max_tokens
         if rt is not None and rt > info.max_model_len:
             f = request.max_tokens_field
@@ -291,7 +364,7 @@ class _ServingGeneration(abc.ABC, Generic[R]):
     def _stream_response(
         self,
         greq: GenerationRequest[R],
-        prompt_ids: list[int],
+        prompts: _Prompts,
         events: AsyncIterator[EngineEvent],
         store: AsyncRouteStore,
         t0: float,
@@ -301,7 +374,7 @@ class _ServingGeneration(abc.ABC, Generic[R]):
         """The SSE response of an opened request; it owns ``events`` and ``claim``."""
         # 499 until the client has taken the whole stream (the body sets the real status then).
         outcome = {"status": 499}
-        body = self._stream(greq, prompt_ids, events, outcome, store)
+        body = self._stream(greq, prompts, events, outcome, store)
         end = functools.partial(self._end_stream, body, events, t0, claim, outcome)
         return _GenerationStream(body, end, headers)
 
@@ -325,36 +398,63 @@ class _ServingGeneration(abc.ABC, Generic[R]):
 
     async def _open(
         self, greq: GenerationRequest[R], claim: Claim | None
-    ) -> tuple[list[int], AsyncIterator[EngineEvent]]:
-        """Start ``greq``; its prompt token ids and the remaining events.
+    ) -> tuple[_Prompts, AsyncIterator[EngineEvent]]:
+        """Start ``greq``'s engine requests; their prompts and the remaining events.
 
-        Runs the backend up to its first event, so every request error surfaces here, before a
+        Runs each up to its first event, so every request error surfaces here, before a
         response (or stream) is started, and becomes a proper 4xx. Once the engine accepted a
         request under a reused id, the earlier generation's extra routes are retired.
         """
-        events = aiter(self._generate(greq))
+        streams = [aiter(self._generate(p)) for p in self._parts(greq)]
+        if len(streams) == 1:
+            try:
+                rendered = [await self._first(streams[0])]
+            except BaseException:
+                await streams[0].aclose()
+                raise
+            events = streams[0]
+        else:
+            rendered = await self._first_of_each(streams)
+            events = _merged(streams, greq.request.n)
+        prompts = _Prompts(rendered, greq.request.n)
+        if claim is not None:
+            await self.request_ids.retire_stale(claim, prompts.num_choices)
+        return prompts, events
+
+    @staticmethod
+    async def _first(events: AsyncIterator[EngineEvent]) -> PromptRendered:
         try:
             first = await anext(events)
         except StopAsyncIteration as e:
             raise EngineUnavailableError(
                 "the engine produced no output", code="engine_error"
             ) from e
-        except BaseException:
-            await events.aclose()
-            raise
         if not isinstance(first, PromptRendered):
-            await events.aclose()
             raise EngineUnavailableError(
                 f"the engine sent {type(first).__name__} before the prompt", code="engine_error"
             )
-        if claim is not None:
-            await self.request_ids.retire_stale(claim, greq.request.n)
-        return first.prompt_token_ids, events
+        return first
+
+    async def _first_of_each(
+        self, streams: list[AsyncIterator[EngineEvent]]
+    ) -> list[PromptRendered]:
+        """A batch's prompts, submitted together; the first failure ends every stream."""
+        tasks = [asyncio.ensure_future(self._first(s)) for s in streams]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for stream in streams:
+                await stream.aclose()  # type: ignore[attr-defined]
+            raise
+        return [t.result() for t in tasks]
 
     async def _capture(
         self,
         greq: GenerationRequest[R],
-        prompt_ids: list[int],
+        prompts: _Prompts,
         ch: _Choice,
         fin: ChoiceFinished,
         store: AsyncRouteStore,
@@ -362,6 +462,7 @@ class _ServingGeneration(abc.ABC, Generic[R]):
         """Store one finished choice's routes; the choice's route fields for the response."""
         ch.finish = fin
         route_id = f"{greq.request_id}-{fin.index}"
+        prompt_ids = prompts.of(fin.index).prompt_token_ids
         handle = await self.capture.capture(store, route_id, fin, prompt_ids, greq.request_id)
         if greq.request.return_routed_experts == "inline":
             arr = fin.routed_experts
@@ -376,17 +477,22 @@ class _ServingGeneration(abc.ABC, Generic[R]):
             return {"routed_experts": inline, "routed_experts_handle": handle}
         return {"routed_experts": handle}
 
-    def _usage(self, prompt_ids: list[int], choices: list[_Choice], count: bool = True) -> Usage:
+    def _usage(self, prompts: _Prompts, choices: list[_Choice], count: bool = True) -> Usage:
         """Usage so far; ``count`` adds a finished request's tokens to the metrics (once)."""
         completion = sum(len(c.token_ids) for c in choices)
-        cached = max((c.finish.num_cached_tokens for c in choices if c.finish), default=0)
+        n = prompts.n
+        cached = sum(  # each prompt's hit, as its engine request reports it
+            max((c.finish.num_cached_tokens for c in choices[j : j + n] if c.finish), default=0)
+            for j in range(0, len(choices), n)
+        )
+        prompt_tokens = prompts.num_tokens
         if count:
-            self.metrics.prompt_tokens.inc(len(prompt_ids))
+            self.metrics.prompt_tokens.inc(prompt_tokens)
             self.metrics.completion_tokens.inc(completion)
         return Usage(
-            prompt_tokens=len(prompt_ids),
+            prompt_tokens=prompt_tokens,
             completion_tokens=completion,
-            total_tokens=len(prompt_ids) + completion,
+            total_tokens=prompt_tokens + completion,
             prompt_tokens_details={"cached_tokens": cached},
         )
 
@@ -395,8 +501,8 @@ class _ServingGeneration(abc.ABC, Generic[R]):
         self, greq: GenerationRequest[R], claim: Claim | None, store: AsyncRouteStore
     ) -> dict[str, Any]:
         """Run ``greq`` to the end; the OpenAI response as a JSON-able dict."""
-        prompt_ids, events = await self._open(greq, claim)
-        choices = [_Choice() for _ in range(greq.request.n)]
+        prompts, events = await self._open(greq, claim)
+        choices = [_Choice() for _ in range(prompts.num_choices)]
         stores: dict[int, asyncio.Task] = {}
         try:
             async for ev in events:
@@ -405,7 +511,7 @@ class _ServingGeneration(abc.ABC, Generic[R]):
                 elif isinstance(ev, ChoiceFinished):
                     # Store each choice as it finishes, concurrently with the others' decoding.
                     stores[ev.index] = asyncio.create_task(
-                        self._capture(greq, prompt_ids, choices[ev.index], ev, store)
+                        self._capture(greq, prompts, choices[ev.index], ev, store)
                     )
             routes = {i: await t for i, t in stores.items()}
         except BaseException:
@@ -414,8 +520,8 @@ class _ServingGeneration(abc.ABC, Generic[R]):
             raise
         finally:
             await events.aclose()
-        usage = self._usage(prompt_ids, choices)
-        return self._response(greq, prompt_ids, choices, routes, usage)
+        usage = self._usage(prompts, choices)
+        return self._response(greq, prompts, choices, routes, usage)
 
     @staticmethod
     def _common(greq: GenerationRequest[R], i: int, ch: _Choice, route: dict[str, Any]) -> dict:
@@ -443,7 +549,7 @@ class _ServingGeneration(abc.ABC, Generic[R]):
     async def _stream(
         self,
         greq: GenerationRequest[R],
-        prompt_ids: list[int],
+        prompts: _Prompts,
         events: AsyncIterator[EngineEvent],
         outcome: dict[str, int],
         store: AsyncRouteStore,
@@ -460,12 +566,12 @@ class _ServingGeneration(abc.ABC, Generic[R]):
             "created": int(time.time()),
             "model": self._model_name(r),
         }
-        choices = [_Choice() for _ in range(r.n)]
+        choices = [_Choice() for _ in range(prompts.num_choices)]
 
         def chunk(choice: dict[str, Any], **extra: Any) -> bytes:
             body = {**base, "choices": [choice], **extra}
             if r.continuous_usage:
-                body["usage"] = self._usage(prompt_ids, choices, count=False).model_dump()
+                body["usage"] = self._usage(prompts, choices, count=False).model_dump()
             return _sse(body)
 
         status = 200
@@ -473,26 +579,25 @@ class _ServingGeneration(abc.ABC, Generic[R]):
         # finish reason, and the route handle rides on that chunk once the route is stored.
         held: dict[int, dict[str, Any]] = {}
         try:
-            for c in self._opening_chunks(greq, prompt_ids):
+            for c in self._opening_chunks(greq, prompts):
                 yield chunk(**c)
             async for ev in events:
                 if isinstance(ev, ChoiceDelta):
                     ch = choices[ev.index]
                     ch.add(ev)
-                    c = self._delta_choice(greq, ev, ch, prompt_ids)
+                    c = self._delta_choice(greq, ev, ch, prompts.of(ev.index))
                     ch.started = True
-                    ch.text_len += len(ev.text)
                     if ev.last:
                         held[ev.index] = c
                     else:
                         yield chunk(c)
                 elif isinstance(ev, ChoiceFinished):
                     ch = choices[ev.index]
-                    route = await self._capture(greq, prompt_ids, ch, ev, store)
+                    route = await self._capture(greq, prompts, ch, ev, store)
                     yield chunk(self._finishing(ev, held.pop(ev.index, None), route))
             for c in held.values():  # a last output whose finish never came: still sent
                 yield chunk(c)
-            usage = self._usage(prompt_ids, choices)
+            usage = self._usage(prompts, choices)
             if r.include_usage_in_stream:
                 yield _sse({**base, "choices": [], "usage": usage.model_dump(mode="json")})
         except ServiceError as e:
@@ -513,19 +618,33 @@ class _ServingGeneration(abc.ABC, Generic[R]):
 
 
 # -- chat ------------------------------------------------------------------------------------------
-def _chat_logprobs(entries: list[TokenLogprob], k: int) -> dict[str, Any]:
-    """vLLM's chat logprobs: each token's first ``k`` candidates (``top_logprobs``), in the
-    engine's order (the sampled token first)."""
+def _chat_logprobs(entries: list[TokenLogprob], k: int | None) -> dict[str, Any]:
+    """vLLM's chat logprobs: each token's first ``k`` candidates (``top_logprobs``; None: all,
+    for ``logprob_token_ids``), in the engine's order (the sampled token first)."""
 
-    def one(tok: str, lp: float) -> dict[str, Any]:
+    def one(tok: str, lp: float | None) -> dict[str, Any]:
         return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
 
     return {
         "content": [
-            {**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top[:k]]}
+            {**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in (e.top or [])[:k]]}
             for e in entries
         ]
     }
+
+
+def _chat_k(r: ChatCompletionRequest) -> int | None:
+    return None if r.logprob_token_ids else (r.top_logprobs or 0)
+
+
+def _echoed_message(r: ChatCompletionRequest) -> str:
+    """What chat ``echo`` puts before each choice's content (vLLM: the last message's content
+    when that message is the assistant's)."""
+    last = r.messages[-1]
+    if not r.echo or last.role != "assistant" or not last.content:
+        return ""
+    c = last.content
+    return c if isinstance(c, str) else "\n".join(part["text"] for part in c)
 
 
 class ServingChat(_ServingGeneration[ChatCompletionRequest]):
@@ -541,15 +660,18 @@ class ServingChat(_ServingGeneration[ChatCompletionRequest]):
     ) -> AsyncIterator[EngineEvent]:
         return self.backend.generate_chat(greq)
 
-    def _response(self, greq, prompt_ids, choices, routes, usage) -> dict[str, Any]:  # type: ignore[override]
+    def _response(self, greq, prompts, choices, routes, usage) -> dict[str, Any]:  # type: ignore[override]
         r = greq.request
+        prompt = prompts.rendered[0]
+        echoed = _echoed_message(r)
         out = []
         for i, ch in enumerate(choices):
-            k = r.top_logprobs or 0
-            lp = ch.raw_logprobs or (_chat_logprobs(ch.logprobs, k) if r.logprobs else None)
+            lp = ch.raw_logprobs or (
+                _chat_logprobs(ch.logprobs, _chat_k(r)) if r.logprobs else None
+            )
             out.append(
                 ChatChoice(
-                    message=ChatMessage(content="".join(ch.text)),
+                    message=ChatMessage(content=echoed + "".join(ch.text)),
                     logprobs=lp,
                     **self._common(greq, i, ch, routes.get(i, {})),
                 )
@@ -559,13 +681,18 @@ class ServingChat(_ServingGeneration[ChatCompletionRequest]):
             model=self._model_name(r),
             choices=out,
             usage=usage,
-            prompt_token_ids=prompt_ids if r.return_token_ids else None,
+            prompt_logprobs=_prompt_logprobs_json(prompt.prompt_logprobs),
+            prompt_token_ids=prompt.prompt_token_ids if r.return_token_ids else None,
         ).model_dump(mode="json")
 
-    def _opening_chunks(self, greq, prompt_ids) -> list[dict[str, Any]]:  # type: ignore[override]
-        # As vLLM: each choice opens with the assistant role; prompt_token_ids ride on these.
-        extra = {"prompt_token_ids": prompt_ids} if greq.request.return_token_ids else {}
-        return [
+    def _opening_chunks(self, greq, prompts) -> list[dict[str, Any]]:  # type: ignore[override]
+        # As vLLM: each choice opens with the assistant role; prompt_token_ids ride on these;
+        # with echo, a chunk of the echoed message follows.
+        r = greq.request
+        extra = (
+            {"prompt_token_ids": prompts.rendered[0].prompt_token_ids} if r.return_token_ids else {}
+        )
+        chunks = [
             {
                 "choice": {
                     "index": i,
@@ -575,14 +702,22 @@ class ServingChat(_ServingGeneration[ChatCompletionRequest]):
                 },
                 **extra,
             }
-            for i in range(greq.request.n)
+            for i in range(r.n)
         ]
+        echoed = _echoed_message(r)
+        if echoed:
+            chunks += [
+                {"choice": {"index": i, "delta": {"content": echoed}, "logprobs": None,
+                            "finish_reason": None}}
+                for i in range(r.n)
+            ]  # fmt: skip
+        return chunks
 
-    def _delta_choice(self, greq, ev, ch, prompt_ids) -> dict[str, Any]:  # type: ignore[override]
+    def _delta_choice(self, greq, ev, ch, prompt) -> dict[str, Any]:  # type: ignore[override]
         r = greq.request
         lp = ev.raw_logprobs
         if lp is None and r.logprobs and ev.logprobs:
-            lp = _chat_logprobs(ev.logprobs, r.top_logprobs or 0)
+            lp = _chat_logprobs(ev.logprobs, _chat_k(r))
         c: dict[str, Any] = {
             "index": ev.index,
             "delta": {"content": ev.text},
@@ -600,7 +735,8 @@ class ServingChat(_ServingGeneration[ChatCompletionRequest]):
 # -- text completions ------------------------------------------------------------------------------
 def _cmpl_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
     """vLLM's completion logprobs: for ``logprobs: k`` each token's candidates are the sampled
-    token and the top ``k`` (``k`` or ``k + 1`` entries), as the OpenAI API defines them."""
+    token and the top ``k`` (``k`` or ``k + 1`` entries), as the OpenAI API defines them (an
+    echoed prompt's first token: none)."""
     offsets, off = [], text_offset
     for e in entries:
         offsets.append(off)
@@ -608,9 +744,14 @@ def _cmpl_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict[str, A
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [dict(e.top) for e in entries],
+        "top_logprobs": [None if e.top is None else dict(e.top) for e in entries],
         "text_offset": offsets,
     }
+
+
+def _echo_text(r: CompletionRequest, prompt: PromptRendered) -> str:
+    # As vLLM: with return_token_ids the prompt travels as ids, not echoed as text.
+    return "" if r.return_token_ids else (prompt.prompt_text or "")
 
 
 class ServingCompletion(_ServingGeneration[CompletionRequest]):
@@ -626,20 +767,47 @@ class ServingCompletion(_ServingGeneration[CompletionRequest]):
         if request.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix", code="unsupported")
 
+    def _parts(self, greq: GenerationRequest[CompletionRequest]) -> list[GenerationRequest]:
+        # A batch: one engine request per prompt, each with its own engine id.
+        r = greq.request
+        prompts = r.prompts
+        if len(prompts) == 1:
+            return [dataclasses.replace(greq, request=r.one(prompts[0]))]
+        return [
+            GenerationRequest(r.one(p), greq.request_id, f"{greq.engine_request_id}-{j}")
+            for j, p in enumerate(prompts)
+        ]
+
     def _generate(self, greq: GenerationRequest[CompletionRequest]) -> AsyncIterator[EngineEvent]:
         return self.backend.generate_completion(greq)
 
-    def _response(self, greq, prompt_ids, choices, routes, usage) -> dict[str, Any]:  # type: ignore[override]
+    @staticmethod
+    def _shown(
+        r: CompletionRequest, prompt: PromptRendered, text: str, lps: list[TokenLogprob]
+    ) -> tuple[str, list[TokenLogprob]]:
+        """A choice's first text and logprobs as shown: after the echoed prompt, or (max_tokens
+        0) the echoed prompt alone."""
+        if not r.echo:
+            return text, lps
+        echoed, echo_lps = _echo_text(r, prompt), prompt.echo_logprobs or []
+        if r.max_tokens == 0:
+            return echoed, echo_lps
+        return echoed + text, echo_lps + lps
+
+    def _response(self, greq, prompts, choices, routes, usage) -> dict[str, Any]:  # type: ignore[override]
         r = greq.request
         want_lp = r.logprobs is not None
         out = []
         for i, ch in enumerate(choices):
-            lp = ch.raw_logprobs or (_cmpl_logprobs(ch.logprobs, 0) if want_lp else None)
+            prompt = prompts.of(i)
+            text, lps = self._shown(r, prompt, "".join(ch.text), ch.logprobs)
+            lp = ch.raw_logprobs or (_cmpl_logprobs(lps, 0) if want_lp else None)
             out.append(
                 CompletionChoice(
-                    text="".join(ch.text),
+                    text=text,
                     logprobs=lp,
-                    prompt_token_ids=prompt_ids if r.return_token_ids else None,
+                    prompt_logprobs=_prompt_logprobs_json(prompt.prompt_logprobs),
+                    prompt_token_ids=prompt.prompt_token_ids if r.return_token_ids else None,
                     **self._common(greq, i, ch, routes.get(i, {})),
                 )
             )
@@ -647,21 +815,25 @@ class ServingCompletion(_ServingGeneration[CompletionRequest]):
             id=greq.request_id, model=self._model_name(r), choices=out, usage=usage
         ).model_dump(mode="json")
 
-    def _delta_choice(self, greq, ev, ch, prompt_ids) -> dict[str, Any]:  # type: ignore[override]
+    def _delta_choice(self, greq, ev, ch, prompt) -> dict[str, Any]:  # type: ignore[override]
         r = greq.request
+        text, lps = ev.text, ev.logprobs or []
+        if not ch.started:
+            text, lps = self._shown(r, prompt, text, lps)
         lp = ev.raw_logprobs
-        if lp is None and r.logprobs is not None and ev.logprobs:
-            lp = _cmpl_logprobs(ev.logprobs, ch.text_len)
+        if lp is None and r.logprobs is not None and lps:
+            lp = _cmpl_logprobs(lps, ch.text_len)
+            ch.text_len = lp["text_offset"][-1] + len(lp["tokens"][-1])
         c: dict[str, Any] = {
             "index": ev.index,
-            "text": ev.text,
+            "text": text,
             "logprobs": lp,
             "finish_reason": None,
         }
         if r.return_token_ids:
             c["token_ids"] = ev.token_ids
             if not ch.started:  # as vLLM: on each choice's first chunk
-                c["prompt_token_ids"] = prompt_ids
+                c["prompt_token_ids"] = prompt.prompt_token_ids
         return c
 
     def _finish_choice(self, ev: ChoiceFinished) -> dict[str, Any]:

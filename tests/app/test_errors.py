@@ -131,14 +131,24 @@ async def test_chat_field_validation(svc: App, over: dict, param: str | None, co
 @pytest.mark.parametrize(
     ("over", "param"),
     [
-        ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": []}, "prompt"),
         ({"prompt": ""}, "prompt"),
+        ({"prompt": ["a", ""]}, "prompt"),
+        ({"prompt": ["a"] * 257}, "prompt"),
         ({"prompt": [1, -2]}, "prompt"),
+        ({"prompt": [[1], [1, -2]]}, "prompt"),
         ({"prompt": 5}, "prompt"),
         ({"prompt": [1, 300]}, "prompt"),
+        ({"prompt": [[1, 2], [1, 300]]}, "prompt"),
         ({"logprobs": 21}, "logprobs"),
-        ({"echo": True}, "echo"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"logprob_token_ids": [1]}, "logprob_token_ids"),
+        ({"logprobs": 1, "logprob_token_ids": [1, 256]}, "logprob_token_ids"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
+        ({"truncation_side": "middle"}, "truncation_side"),
         ({"suffix": "x"}, "suffix"),
         ({"max_tokens": 10**9}, "max_tokens"),
         ({"n": 2, "temperature": 0}, "n"),
@@ -148,6 +158,14 @@ async def test_completion_field_validation(svc: App, over: dict, param: str) -> 
     for stream in (False, True):
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": stream, **over}
         check_error(await svc.http.post("/v1/completions", json=body), 400, param)
+
+
+async def test_prompt_logprobs_are_refused_on_a_stream_as_vllm(svc: App) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True, "prompt_logprobs": 1}
+    e = check_error(await svc.http.post("/v1/completions", json=body), 400, "prompt_logprobs")
+    assert "stream" in e["message"]
+    body["prompt_logprobs"] = 0  # as vLLM: 0 is allowed (nothing beyond each token's own)
+    assert (await svc.http.post("/v1/completions", json=body)).status_code == 200
 
 
 @pytest.mark.usefixtures("nothing_stored")

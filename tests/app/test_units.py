@@ -62,10 +62,13 @@ def test_protocol_validation_names_fields() -> None:
         ChatCompletionRequest.model_validate({"model": "m", "messages": [], "max_tokens": 1})
     assert e.value.errors()[0]["loc"] == ("messages",)
     with pytest.raises(ValidationError) as e:
-        CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"]})
+        CompletionRequest.model_validate({"model": "m", "prompt": ["a", ""]})
     assert e.value.errors()[0]["loc"] == ("prompt",)
+    assert "prompt 1 is empty" in e.value.errors()[0]["msg"]
     r = CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2, 3]], "x_vendor": 1})
-    assert r.prompt == [1, 2, 3] and r.model_extra == {"x_vendor": 1}
+    assert r.prompts == [[1, 2, 3]] and r.model_extra == {"x_vendor": 1}
+    assert CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompts == ["a", "b"]
+    assert CompletionRequest.model_validate({"prompt": [5, 6]}).prompts == [[5, 6]]
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate(
             {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}
