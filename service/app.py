@@ -42,6 +42,13 @@ log = logging.getLogger("routereplay.service")
 
 def make_backend(settings: Settings) -> EngineBackend:
     """The backend ``settings`` select (not started)."""
+    if settings.backend != "vllm" and (
+        settings.tool_call_parser or settings.enable_auto_tool_choice
+    ):
+        raise ValueError(
+            "--tool-call-parser and --enable-auto-tool-choice are the in-process engine's "
+            "(--backend vllm); an upstream vLLM parses tools with its own flags"
+        )
     if settings.backend == "upstream":
         from .engines.upstream import UpstreamBackend
 
@@ -90,6 +97,8 @@ def make_backend(settings: Settings) -> EngineBackend:
         extra_engine_args=settings.engine_args,
         cpu_bind=settings.cpu_bind,
         route_weights=settings.route_weights,
+        tool_call_parser=settings.tool_call_parser,
+        enable_auto_tool_choice=settings.enable_auto_tool_choice,
     )
 
 

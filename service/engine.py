@@ -16,10 +16,10 @@ so errors before it are client errors answered with a 4xx), then :class:`ChoiceD
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ChoiceDelta",
     "ChoiceFinished",
+    "ChoiceParser",
     "EngineBackend",
     "EngineEvent",
     "GenerationRequest",
@@ -97,6 +98,19 @@ class Logprob:
 PromptLogprobs = list[dict[int, Logprob] | None]
 
 
+class ChoiceParser(Protocol):
+    """One chat choice's output as vLLM's tool parsers read it (``--tool-call-parser``)."""
+
+    def message(self, text: str, token_ids: list[int]) -> dict[str, Any]:
+        """The whole output's message fields: ``content``, and ``tool_calls`` when parsed."""
+
+    def delta(self, text: str, token_ids: list[int], finished: bool) -> dict[str, Any] | None:
+        """A streamed output's ``delta``; None while the parser holds it back."""
+
+    def finish_reason(self, reason: str) -> str:
+        """The choice's finish reason once parsed (``tool_calls`` after a tool call)."""
+
+
 @dataclass
 class PromptRendered:
     """The prompt as the engine runs it; its text (for ``echo``) and, when asked for, its
@@ -107,6 +121,8 @@ class PromptRendered:
     prompt_logprobs: PromptLogprobs | None = None
     # echo with logprobs (completions): the prompt's tokens as the response's logprobs show them
     echo_logprobs: list[TokenLogprob] | None = None
+    # chat with tools: a parser for each choice's output (None: the text is the content)
+    choice_parser: Callable[[], ChoiceParser | None] | None = None
 
 
 @dataclass
@@ -122,6 +138,8 @@ class ChoiceDelta:
     # The choice's last output: its ChoiceFinished follows (the stream then sends this output
     # with the finish reason and the route handle, in one chunk, as vLLM's last chunk).
     last: bool = False
+    # Upstream pass-through: the chat message's fields beside its content (tool_calls).
+    message: dict[str, Any] | None = None
 
 
 @dataclass
@@ -349,12 +367,13 @@ def check_engine_fields(
 ) -> None:
     """400 naming any field an in-process engine would otherwise silently ignore.
 
-    OpenAI features it does not implement (tools; structured output unless ``structured``: the
-    engine constrains its sampling) and fields nobody declared (``model_extra``: unknown,
-    misspelled, or another server's extensions). The upstream backend forwards both to vLLM.
+    OpenAI features it does not implement (tools and structured output unless ``structured``:
+    the engine constrains its sampling and parses tool calls) and fields nobody declared
+    (``model_extra``: unknown, misspelled, or another server's extensions). The upstream backend
+    forwards both to vLLM.
     """
     unsupported: dict[str, bool] = {}
-    if isinstance(request, ChatCompletionRequest):
+    if isinstance(request, ChatCompletionRequest) and not structured:
         unsupported = {
             "tools": bool(request.tools),
             "functions": bool(request.functions),
@@ -364,8 +383,8 @@ def check_engine_fields(
     for name, present in unsupported.items():
         if present:
             raise InvalidRequestError(
-                f"{name} is not supported by the in-process engine (serve with "
-                "--backend upstream in front of a vLLM server configured for it)",
+                f"{name}: this engine calls no tools (the synthetic engine); vLLM does "
+                "(--backend vllm with --tool-call-parser, or --backend upstream)",
                 param=name,
                 code="unsupported",
             )

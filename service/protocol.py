@@ -485,6 +485,8 @@ class Usage(BaseModel):
 class ChatMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    # vLLM's tool parser's calls (--tool-call-parser): {"id", "type": "function", "function"}
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class _Choice(BaseModel):

@@ -147,6 +147,17 @@ class Settings(BaseSettings):
         "backends). off: not captured, a request asking gets a 400; request: captured, stored "
         "for requests with routed_experts_weights=true; on: stored unless a request says false",
     )
+    tool_call_parser: str | None = Field(
+        None,
+        description="in-process vllm: vLLM's tool parser for chat tools (as vllm serve's flag: "
+        "hermes, llama3_json, pythonic, ...); without it tool_choice auto, required and named "
+        "are refused, as vLLM refuses them",
+    )
+    enable_auto_tool_choice: bool = Field(
+        False,
+        description="in-process vllm: let the model decide to call tools (tool_choice auto, "
+        "the default when a request has tools); needs --tool-call-parser",
+    )
     seed: int = Field(0, description="engine seed")
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="default 0.5 on CPU, 0.9 on GPU"

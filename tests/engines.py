@@ -195,7 +195,10 @@ def _start_engines_with_their_group(request: pytest.FixtureRequest) -> None:
 def service_engine(
     redis_url: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Launched]:
-    with launch(service_spec(redis_url, tiny_model, tmp_path_factory.mktemp("service"))) as e:
+    # With vLLM's pythonic tool parser, which needs no special tokens of the tiny tokenizer.
+    flags = ("--tool-call-parser", "pythonic", "--enable-auto-tool-choice")
+    spec = service_spec(redis_url, tiny_model, tmp_path_factory.mktemp("service"), *flags)
+    with launch(spec) as e:
         yield e
 
 

@@ -331,23 +331,9 @@ class SyntheticBackend(EngineBackend):
         rendered = render()
         prompt = truncate_prompt(rendered, r, self.info.max_model_len)
         max_tokens = self._max_tokens(r, prompt, field)
-        greedy = r.temperature == 0
-        if greedy and r.n > 1:
-            raise InvalidRequestError(
-                f"n must be 1 when using greedy sampling, got n={r.n}", param="n"
-            )
-        seed = 0 if greedy else (r.seed if r.seed is not None else random.getrandbits(63))
+        greedy, seed = _sampling_seed(r)
         stop_ids = set(r.stop_token_ids or ())
-        plp = self._prompt_logprobs(prompt, r)
-        echoed = None
-        if plp is not None and r.echo and r.num_logprobs is not None:
-            echoed = echo_logprobs(prompt, plp, chr(prompt[0]), r)
-        yield PromptRendered(
-            prompt_token_ids=list(prompt),
-            prompt_text=self._prompt_text(r, prompt, rendered),
-            prompt_logprobs=plp,
-            echo_logprobs=echoed,
-        )
+        yield self._rendered(r, prompt, rendered)
         # Paused: not scheduled until resumed (vLLM's semantics for new requests).
         await self._resumed.wait()
         hashes = _prefix_hashes(prompt)
@@ -497,6 +483,20 @@ class SyntheticBackend(EngineBackend):
         ]
         return [TokenLogprob(token=token_text(tok, chr(tok), r), logprob=lp, top=top)]
 
+    def _rendered(
+        self, r: ChatCompletionRequest | CompletionRequest, prompt: list[int], rendered: list[int]
+    ) -> PromptRendered:
+        plp = self._prompt_logprobs(prompt, r)
+        echoed = None
+        if plp is not None and r.echo and r.num_logprobs is not None:
+            echoed = echo_logprobs(prompt, plp, chr(prompt[0]), r)
+        return PromptRendered(
+            prompt_token_ids=list(prompt),
+            prompt_text=self._prompt_text(r, prompt, rendered),
+            prompt_logprobs=plp,
+            echo_logprobs=echoed,
+        )
+
     @staticmethod
     def _prompt_text(
         r: ChatCompletionRequest | CompletionRequest, prompt: list[int], rendered: list[int]
@@ -609,3 +609,13 @@ class _SyntheticRL(RLControl):
 
     async def world_size(self, include_dp: bool) -> int:
         return 1
+
+
+def _sampling_seed(r: ChatCompletionRequest | CompletionRequest) -> tuple[bool, int]:
+    """Whether ``r`` samples greedily, and the seed its choices derive from (vLLM refuses
+    ``n > 1`` with greedy sampling: every choice would be the same)."""
+    if r.temperature != 0:
+        return False, r.seed if r.seed is not None else random.getrandbits(63)
+    if r.n > 1:
+        raise InvalidRequestError(f"n must be 1 when using greedy sampling, got n={r.n}", param="n")
+    return True, 0

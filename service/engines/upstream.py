@@ -345,6 +345,7 @@ class UpstreamBackend(EngineBackend):
                 token_ids=out_ids,
                 raw_logprobs=c.get("logprobs"),
                 last=True,  # the whole choice at once: its finish follows
+                message=_message_extra(c),
             )
             b64 = c.get("routed_experts")
             arr, row_start, error = None, asked, None
@@ -385,6 +386,12 @@ def _first_row(rows: int, T: int, asked: int) -> tuple[int, str | None]:
         f"the upstream returned {rows} rows of routes for {T} tokens from row {asked} "
         f"(vLLM returns {max(T - 1 - asked, 0)}): not stored, since no row could be placed"
     )
+
+
+def _message_extra(choice: dict[str, Any]) -> dict[str, Any] | None:
+    """A chat choice's tool calls, which vLLM's tool parser made of its text."""
+    calls = (choice.get("message") or {}).get("tool_calls")
+    return {"tool_calls": calls} if calls else None
 
 
 def _chat_text(choice: dict[str, Any]) -> str | None:

@@ -48,6 +48,7 @@ from ..protocol import (
 from .vllm_host import ENGINE_SHUTDOWN_TIMEOUT_S, engine_env, on_cpu_host
 from .vllm_release import VllmRelease, check_release, probe
 from .vllm_rl import VllmRL
+from .vllm_tools import ToolCalling, ToolPlan
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -176,8 +177,12 @@ class VllmBackend(EngineBackend):
         extra_engine_args: dict[str, Any] | None = None,
         cpu_bind: str = "auto",
         route_weights: RouteWeightsMode = "off",
+        tool_call_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
     ) -> None:
         self.model = model
+        self._tool_flags = (tool_call_parser, enable_auto_tool_choice)
+        self.tools: ToolCalling | None = None
         self.route_weights = route_weights
         self._weights_dtype: str | None = None
         self._cpu_bind = cpu_bind
@@ -222,6 +227,7 @@ class VllmBackend(EngineBackend):
                     "routereplay.service.vllm_patches.cpu_setup` once in this environment"
                 )
             set_omp_threads_bind(self._cpu_bind)
+        self.tools = ToolCalling(*self._tool_flags)
         self.release = probe()
         check_release(self.release)
         log.info("%s", self.release.features())
@@ -242,6 +248,7 @@ class VllmBackend(EngineBackend):
         hf = self.engine.model_config.hf_config
         num_layers, moe, num_experts, top_k = moe_layout(hf)
         self._tokenizer = self.engine.get_tokenizer()
+        self.tools.start(self._tokenizer, self.engine.model_config)
         await self.relabel()
         self.info = ModelInfo(
             name=self.served_model_name,
@@ -394,8 +401,10 @@ class VllmBackend(EngineBackend):
 
     # -- request path ------------------------------------------------------------------------------
     def _sampling_params(
-        self, r: ChatCompletionRequest | CompletionRequest, prompt_len: int
+        self, r: ChatCompletionRequest | CompletionRequest, prompt_len: int, tools: Any = None
     ) -> Any:
+        """vLLM's SamplingParams of ``r``; ``tools``: the structured output a tool choice
+        implies, which replaces the request's own (as vLLM)."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
@@ -427,7 +436,9 @@ class VllmBackend(EngineBackend):
             kw["logit_bias"] = {int(t): b for t, b in r.logit_bias.items()}
         try:
             constraint = r.structured_output()
-            if constraint is not None:
+            if tools is not None:
+                kw["structured_outputs"] = tools
+            elif constraint is not None:
                 from vllm.sampling_params import StructuredOutputsParams
 
                 kw["structured_outputs"] = StructuredOutputsParams(**constraint)
@@ -469,10 +480,13 @@ class VllmBackend(EngineBackend):
         add_generation_prompt: bool,
         continue_final_message: bool,
         template_kwargs: dict[str, Any] | None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[list[dict[str, Any]], Any]:
         from vllm.renderers.params import ChatParams
 
-        kwargs = dict(template_kwargs or {})
+        # As vLLM: the tools reach the template unless the request's own kwargs name them.
+        kwargs = {"tools": tools} if tools else {}
+        kwargs.update(template_kwargs or {})
         # The explicit fields win over the same names inside chat_template_kwargs.
         kwargs.update(
             add_generation_prompt=add_generation_prompt,
@@ -498,18 +512,27 @@ class VllmBackend(EngineBackend):
         self, req: GenerationRequest[ChatCompletionRequest]
     ) -> AsyncIterator[EngineEvent]:
         r = req.request
-        conversation, params = self._chat_params(
-            r.messages, r.add_generation_prompt, r.continue_final_message, r.chat_template_kwargs
-        )
 
         async def render() -> Any:
+            conversation, params = self._chat_params(
+                r.messages, r.add_generation_prompt, r.continue_final_message,
+                r.chat_template_kwargs, plan.tool_dicts if plan else None,
+            )  # fmt: skip
             # No context limit here: the length check below names the field and the numbers.
             _, prompts = await self.engine.renderer.render_chat_async(
                 [conversation], params, self._tok_params(r.add_special_tokens, None)
             )
             return prompts[0]
 
-        return self._generate(req, render, "messages")
+        plan: ToolPlan | None = None
+
+        def planned() -> ToolPlan | None:
+            nonlocal plan
+            self._check_alive()
+            plan = self.tools.plan(r) if self.tools is not None else None
+            return plan
+
+        return self._generate(req, render, "messages", planned)
 
     def generate_completion(
         self, req: GenerationRequest[CompletionRequest]
@@ -568,10 +591,11 @@ class VllmBackend(EngineBackend):
             raise EngineUnavailableError("engine is dead", code="engine_dead")
 
     async def _generate(
-        self, req: GenerationRequest, render: Any, field: str
+        self, req: GenerationRequest, render: Any, field: str, tools: Any = None
     ) -> AsyncIterator[EngineEvent]:
         self._check_alive()
         check_engine_fields(req.request, structured=True)
+        plan: ToolPlan | None = tools() if tools is not None else None
         prompt = await self._render(render(), field)
         prompt_ids = list(prompt["prompt_token_ids"])
         cut = truncate_prompt(prompt_ids, req.request, self.info.max_model_len)
@@ -585,9 +609,10 @@ class VllmBackend(EngineBackend):
                 f"{self.info.max_model_len} tokens",
                 param=field,
             )
-        params = self._sampling_params(req.request, len(prompt_ids))
+        constraint = plan.structured_outputs if plan is not None else None
+        params = self._sampling_params(req.request, len(prompt_ids), constraint)
         weights = wants_route_weights(req.request, self.route_weights)
-        run = self._run(req, prompt, prompt_ids, params, weights)
+        run = self._run(req, prompt, prompt_ids, params, weights, plan)
         try:
             async for ev in run:
                 yield ev
@@ -602,11 +627,15 @@ class VllmBackend(EngineBackend):
         prompt_ids: list[int],
         params: Any,
         weights: bool,
+        plan: ToolPlan | None = None,
     ) -> AsyncIterator[EngineEvent]:
         ticket, outputs, first = await self._submit(req, prompt, params)
         label = self._label
         try:
-            yield self._rendered(req.request, prompt, prompt_ids, first.prompt_logprobs)
+            rendered = self._rendered(req.request, prompt, prompt_ids, first.prompt_logprobs)
+            if plan is not None:
+                rendered.choice_parser = partial(plan.choice_parser, prompt_ids)
+            yield rendered
             spans = partial(self._whole_span, ticket, label)
             events = self._events(req.request, params, weights, _chain(first, outputs), spans)
             async for ev in events:

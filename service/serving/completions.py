@@ -31,6 +31,7 @@ from ..capture import RouteCapture, npy_base64
 from ..engine import (
     ChoiceDelta,
     ChoiceFinished,
+    ChoiceParser,
     EngineBackend,
     EngineEvent,
     GenerationRequest,
@@ -76,6 +77,8 @@ class _Choice:
     text_len: int = 0
     started: bool = False  # a chunk of this choice was sent (streaming)
     finish: ChoiceFinished | None = None
+    parser: ChoiceParser | None = None  # chat with tools: vLLM's tool parser of this choice
+    message: dict[str, Any] = field(default_factory=dict)  # upstream: tool_calls and such
 
     def add(self, ev: ChoiceDelta) -> None:
         self.text.append(ev.text)
@@ -84,6 +87,8 @@ class _Choice:
             self.logprobs.extend(ev.logprobs)
         if ev.raw_logprobs is not None:
             self.raw_logprobs = _merge_raw_logprobs(self.raw_logprobs, ev.raw_logprobs)
+        if ev.message:
+            self.message.update(ev.message)
 
 
 @dataclass
@@ -96,6 +101,14 @@ class _Prompts:
 
     def of(self, i: int) -> PromptRendered:
         return self.rendered[i // self.n]
+
+    def choices(self) -> list[_Choice]:
+        """A fresh state per choice, each with its own output parser where there is one."""
+        out = [_Choice() for _ in range(self.num_choices)]
+        for i, ch in enumerate(out):
+            make = self.of(i).choice_parser
+            ch.parser = make() if make is not None else None
+        return out
 
     @property
     def num_choices(self) -> int:
@@ -153,6 +166,10 @@ async def _merged(streams: list[AsyncIterator[EngineEvent]], n: int) -> AsyncIte
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _finish_reason(ch: _Choice, reason: str) -> str:
+    return ch.parser.finish_reason(reason) if ch.parser is not None else reason
 
 
 def _merge_raw_logprobs(acc: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
@@ -268,7 +285,8 @@ class _ServingGeneration(abc.ABC, Generic[R]):
     @abc.abstractmethod
     def _delta_choice(
         self, greq: GenerationRequest[R], ev: ChoiceDelta, ch: _Choice, prompt: PromptRendered
-    ) -> dict[str, Any]: ...
+    ) -> dict[str, Any] | None:
+        """A streamed output's choice; None: nothing to send for it now."""
 
     @abc.abstractmethod
     def _finish_choice(self, ev: ChoiceFinished) -> dict[str, Any]: ...
@@ -502,7 +520,7 @@ class _ServingGeneration(abc.ABC, Generic[R]):
     ) -> dict[str, Any]:
         """Run ``greq`` to the end; the OpenAI response as a JSON-able dict."""
         prompts, events = await self._open(greq, claim)
-        choices = [_Choice() for _ in range(prompts.num_choices)]
+        choices = prompts.choices()
         stores: dict[int, asyncio.Task] = {}
         try:
             async for ev in events:
@@ -528,7 +546,7 @@ class _ServingGeneration(abc.ABC, Generic[R]):
         fin = ch.finish
         return dict(
             index=i,
-            finish_reason=fin.finish_reason if fin else None,
+            finish_reason=_finish_reason(ch, fin.finish_reason) if fin else None,
             stop_reason=fin.stop_reason if fin else None,
             token_ids=ch.token_ids if greq.request.return_token_ids else None,
             **route,
@@ -536,15 +554,15 @@ class _ServingGeneration(abc.ABC, Generic[R]):
 
     # -- streaming ---------------------------------------------------------------------------------
     def _finishing(
-        self, ev: ChoiceFinished, last: dict[str, Any] | None, route: dict[str, Any]
+        self, ch: _Choice, ev: ChoiceFinished, last: dict[str, Any] | None, route: dict[str, Any]
     ) -> dict[str, Any]:
         """The chunk that finishes a choice: its last output (or, when the engine finished it
         without one, an empty one), the finish reason and the route handle."""
         handle = {k: (v.model_dump(mode="json") if isinstance(v, RouteHandle) else v)
                   for k, v in route.items()}  # fmt: skip
         base = last or {"index": ev.index, "logprobs": None, **self._finish_choice(ev)}
-        return {**base, "finish_reason": ev.finish_reason, "stop_reason": ev.stop_reason,
-                **handle}  # fmt: skip
+        return {**base, "finish_reason": _finish_reason(ch, ev.finish_reason),
+                "stop_reason": ev.stop_reason, **handle}  # fmt: skip
 
     async def _stream(
         self,
@@ -566,7 +584,7 @@ class _ServingGeneration(abc.ABC, Generic[R]):
             "created": int(time.time()),
             "model": self._model_name(r),
         }
-        choices = [_Choice() for _ in range(prompts.num_choices)]
+        choices = prompts.choices()
 
         def chunk(choice: dict[str, Any], **extra: Any) -> bytes:
             body = {**base, "choices": [choice], **extra}
@@ -586,6 +604,8 @@ class _ServingGeneration(abc.ABC, Generic[R]):
                     ch = choices[ev.index]
                     ch.add(ev)
                     c = self._delta_choice(greq, ev, ch, prompts.of(ev.index))
+                    if c is None:  # a parser holds this output back (vLLM sends nothing)
+                        continue
                     ch.started = True
                     if ev.last:
                         held[ev.index] = c
@@ -594,7 +614,7 @@ class _ServingGeneration(abc.ABC, Generic[R]):
                 elif isinstance(ev, ChoiceFinished):
                     ch = choices[ev.index]
                     route = await self._capture(greq, prompts, ch, ev, store)
-                    yield chunk(self._finishing(ev, held.pop(ev.index, None), route))
+                    yield chunk(self._finishing(ch, ev, held.pop(ev.index, None), route))
             for c in held.values():  # a last output whose finish never came: still sent
                 yield chunk(c)
             usage = self._usage(prompts, choices)
@@ -671,7 +691,7 @@ class ServingChat(_ServingGeneration[ChatCompletionRequest]):
             )
             out.append(
                 ChatChoice(
-                    message=ChatMessage(content=echoed + "".join(ch.text)),
+                    message=self._message(ch, echoed),
                     logprobs=lp,
                     **self._common(greq, i, ch, routes.get(i, {})),
                 )
@@ -684,6 +704,15 @@ class ServingChat(_ServingGeneration[ChatCompletionRequest]):
             prompt_logprobs=_prompt_logprobs_json(prompt.prompt_logprobs),
             prompt_token_ids=prompt.prompt_token_ids if r.return_token_ids else None,
         ).model_dump(mode="json")
+
+    @staticmethod
+    def _message(ch: _Choice, echoed: str) -> ChatMessage:
+        text = "".join(ch.text)
+        fields = ch.parser.message(text, ch.token_ids) if ch.parser else {"content": text}
+        fields.update(ch.message)
+        if echoed:
+            fields["content"] = echoed + (fields.get("content") or "")
+        return ChatMessage(**fields)
 
     def _opening_chunks(self, greq, prompts) -> list[dict[str, Any]]:  # type: ignore[override]
         # As vLLM: each choice opens with the assistant role; prompt_token_ids ride on these;
@@ -713,14 +742,27 @@ class ServingChat(_ServingGeneration[ChatCompletionRequest]):
             ]  # fmt: skip
         return chunks
 
-    def _delta_choice(self, greq, ev, ch, prompt) -> dict[str, Any]:  # type: ignore[override]
+    def _delta_choice(self, greq, ev, ch, prompt) -> dict[str, Any] | None:  # type: ignore[override]
         r = greq.request
         lp = ev.raw_logprobs
         if lp is None and r.logprobs and ev.logprobs:
             lp = _chat_logprobs(ev.logprobs, _chat_k(r))
+        delta: dict[str, Any] | None = {"content": ev.text}
+        if ch.parser is not None:
+            delta = ch.parser.delta(ev.text, ev.token_ids, finished=ev.last)
+            # As vLLM: an output the parser holds back is sent only to carry what the client
+            # asked for per token, or the finish.
+            if delta is None and not (ev.last or lp is not None or r.return_token_ids):
+                return None
+        if ev.message and ev.message.get("tool_calls"):  # upstream: the whole choice at once
+            calls = ev.message["tool_calls"]
+            delta = {
+                **(delta or {}),
+                "tool_calls": [{"index": j, **c} for j, c in enumerate(calls)],
+            }
         c: dict[str, Any] = {
             "index": ev.index,
-            "delta": {"content": ev.text},
+            "delta": delta or {},
             "logprobs": lp,
             "finish_reason": None,
         }

@@ -54,6 +54,8 @@ def test_the_installed_release_offers_what_its_row_says() -> None:
         shutdown,
         retryable,
     )
+    if release.version in ("0.30.0", "0.31.0", "0.32.0"):  # their SamplingParams have it
+        assert release.logprob_token_ids
     check_release(release)
 
 
@@ -127,3 +129,14 @@ def test_help_and_docs_state_the_range() -> None:
     assert f"vLLM {SUPPORTED}" in deploy
     for release in FEATURES:
         assert f"| {release} |" in deploy
+
+
+def test_logprob_token_ids_on_a_release_without_them_is_a_400_naming_it() -> None:
+    from routereplay.service.engines.vllm import VllmBackend
+    from routereplay.service.errors import InvalidRequestError
+
+    backend = VllmBackend("unused", served_model_name="m")
+    backend.release = dataclasses.replace(probe(), version="0.30.9", logprob_token_ids=False)
+    with pytest.raises(InvalidRequestError) as e:
+        backend._logprob_token_ids([1, 2])
+    assert e.value.param == "logprob_token_ids" and "vLLM 0.30.9 has no" in str(e.value)
