@@ -50,3 +50,14 @@ def test_auto_without_a_parser_and_an_unknown_parser_are_refused_at_start() -> N
         ToolCalling(None, True)
     with pytest.raises(StartupRefused, match="--tool-call-parser no_such_parser"):
         ToolCalling("no_such_parser", False).start(None, SimpleNamespace(model="m"))
+
+
+@pytest.mark.parametrize("backend", ["synthetic", "upstream"])
+def test_tool_flags_belong_to_the_in_process_engine(backend: str) -> None:
+    from routereplay.service.app import make_backend
+    from routereplay.service.settings import Settings
+
+    for flags in ({"tool_call_parser": "pythonic"}, {"enable_auto_tool_choice": True}):
+        s = Settings(backend=backend, upstream_url="http://127.0.0.1:9", **flags)
+        with pytest.raises(ValueError, match="the in-process engine's"):
+            make_backend(s)
