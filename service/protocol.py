@@ -485,8 +485,9 @@ class Usage(BaseModel):
 class ChatMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
-    # vLLM's tool parser's calls (--tool-call-parser): {"id", "type": "function", "function"}
-    tool_calls: list[dict[str, Any]] | None = None
+    # vLLM's tool parser's calls (--tool-call-parser): {"id", "type": "function", "function"};
+    # an empty list when none, as vLLM sends it.
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class _Choice(BaseModel):
@@ -523,6 +524,9 @@ class _Response(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     usage: Usage
+    # OpenAI's, null as vLLM sends them (SDK code reading them works).
+    system_fingerprint: str | None = None
+    service_tier: str | None = None
 
 
 class ChatCompletionResponse(_Response):

@@ -71,7 +71,7 @@ class ChoiceToolParser:
         self.called = bool(tool_calls)
         if forced:
             return {"content": content or "", "tool_calls": tool_calls}
-        return {"content": content, "tool_calls": tool_calls or None}
+        return {"content": content, "tool_calls": tool_calls}
 
     def delta(self, text: str, token_ids: list[int], finished: bool) -> dict[str, Any] | None:
         """A streamed output as vLLM's ``DeltaMessage``; None: nothing to send yet."""
