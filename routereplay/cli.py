@@ -18,7 +18,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "bench": (
         "routereplay.cli:_bench_main",
-        "benchmarks: store | service | trainer | routes | scale | tp",
+        "benchmarks: store | service | trainer | routes | scale | tp | json",
     ),
     "experiment": (
         "routereplay.cli:_experiment_main",
@@ -47,6 +47,7 @@ _BENCHES: dict[str, str] = {
     "routes": "routereplay.bench.routes:main",
     "scale": "routereplay.bench.scale:main",
     "tp": "routereplay.bench.tp:main",
+    "json": "routereplay.bench.route_json:main",
 }
 
 

@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import anyio.to_thread
 from fastapi import FastAPI
 
 from routereplay.client import (
@@ -240,6 +241,11 @@ def create_app(
                 metrics.registry.register(stats)
                 stack.push_async_callback(stats.aclose)  # drains off the loop
                 stack.callback(metrics.registry.unregister, stats)
+            # FastAPI runs sync dependencies through anyio, whose asyncio backend imports on first
+            # use: done here, not as a stall of the first request's event loop.
+            await anyio.to_thread.run_sync(lambda: None)
+            lag = asyncio.create_task(metrics.watch_loop_lag())
+            stack.callback(lag.cancel)
             watcher = None
             if on_fatal is not None:
                 watcher = asyncio.create_task(

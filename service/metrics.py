@@ -3,6 +3,7 @@ engine's own metrics beside them (:class:`VllmEngineMetrics`)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable, Iterable
 
@@ -11,9 +12,12 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-__all__ = ["ServiceMetrics", "VllmEngineMetrics"]
+__all__ = ["LOOP_LAG_INTERVAL_S", "ServiceMetrics", "VllmEngineMetrics"]
+
+LOOP_LAG_INTERVAL_S = 0.05
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 _STORE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -78,7 +82,21 @@ class ServiceMetrics:
             "routereplay_engine_queue_depth", "requests inside the engine (running + waiting)",
             registry=r,
         )  # fmt: skip
+        self.loop_lag = Histogram(
+            "routereplay_event_loop_lag_seconds",
+            "how late the event loop ran a timer due every "
+            f"{LOOP_LAG_INTERVAL_S}s: a stall delays every stream, probe and lease renewal",
+            buckets=_LAG_BUCKETS, registry=r,
+        )  # fmt: skip
         self._engine: Collector | None = None
+
+    async def watch_loop_lag(self) -> None:
+        """Observe the event loop's lag until cancelled (a task of the app's lifespan)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + LOOP_LAG_INTERVAL_S
+            await asyncio.sleep(LOOP_LAG_INTERVAL_S)
+            self.loop_lag.observe(max(0.0, loop.time() - due))
 
     def bind_queue_depth(self, fn: Callable[[], float]) -> None:
         self.queue_depth.set_function(fn)

@@ -363,7 +363,7 @@ class SyntheticBackend(EngineBackend):
                         continue
                     if aborted:
                         finished[i] = "abort"
-                        yield self._finished(
+                        yield await self._finished(
                             i, prompt, outs[i], "abort", cached, r, salts[i], versions[i], weights
                         )
                         continue
@@ -386,7 +386,7 @@ class SyntheticBackend(EngineBackend):
                         last=finished[i] is not None,
                     )
                     if finished[i] is not None:
-                        yield self._finished(
+                        yield await self._finished(
                             i, prompt, outs[i], finished[i], cached, r, salts[i], versions[i],
                             weights,
                         )  # fmt: skip
@@ -426,7 +426,7 @@ class SyntheticBackend(EngineBackend):
             )
         return max_tokens
 
-    def _finished(
+    async def _finished(
         self,
         i: int,
         prompt: list[int],
@@ -440,15 +440,18 @@ class SyntheticBackend(EngineBackend):
     ) -> ChoiceFinished:
         info = self.info
         T = len(prompt) + len(out)
-        routes = synthetic_routes(
-            prompt + out,
-            info.num_layers,
-            info.moe_layers,
-            info.num_experts,
-            info.top_k,
-            r.routed_experts_prompt_start,
-            salts + [self.salt] * (T - len(salts)),
+        args = (prompt + out, info.num_layers, info.moe_layers, info.num_experts, info.top_k,
+                r.routed_experts_prompt_start, salts + [self.salt] * (T - len(salts)))  # fmt: skip
+        # A real engine's arrays are computed in its own process: a long route's are computed
+        # off the event loop here, so the service's loop does only what it does with vLLM.
+        big = T * info.num_layers * info.top_k > 1 << 18
+        routes = (
+            await asyncio.to_thread(synthetic_routes, *args) if big else synthetic_routes(*args)
         )
+        w = None
+        if weights:
+            w = await asyncio.to_thread(synthetic_weights, routes, info.moe_layers) if big else (
+                synthetic_weights(routes, info.moe_layers))  # fmt: skip
         # vLLM's shape: spans of output tokens sampled by one version.
         spans: list[tuple[str, int, int]] = []
         for j, v in enumerate(versions):
@@ -465,7 +468,7 @@ class SyntheticBackend(EngineBackend):
             routed_experts=routes,
             routes_row_start=r.routed_experts_prompt_start,
             weight_versions=spans,
-            routed_weights=synthetic_weights(routes, info.moe_layers) if weights else None,
+            routed_weights=w,
             weights_dtype="float32" if weights else None,
         )
 

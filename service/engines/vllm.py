@@ -59,6 +59,10 @@ log = logging.getLogger("routereplay.service")
 
 T = TypeVar("T")
 
+# Engine arrays past this size are split in a worker thread, off the event loop every stream
+# shares (the capture's default offload size).
+_OFFLOAD_BYTES = 1 << 18
+
 # OpenAI sampling fields that map 1:1 onto vllm.SamplingParams.
 _PASS_THROUGH = (
     "temperature",
@@ -813,9 +817,10 @@ class VllmBackend(EngineBackend):
             return fin
         from ..vllm_patches.route_weights import split_routes
 
-        top_k, num_experts = self.info.top_k, self.info.num_experts
+        args = (fin.routed_experts, self.info.top_k, self.info.num_experts, wanted)
         try:
-            ids, w = split_routes(fin.routed_experts, top_k, num_experts)
+            big = fin.routed_experts.nbytes > _OFFLOAD_BYTES
+            ids, w = await asyncio.to_thread(split_routes, *args) if big else split_routes(*args)
         except ValueError as e:
             fin.routed_experts, fin.routes_error = None, str(e)
             return fin

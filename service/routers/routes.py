@@ -49,6 +49,10 @@ async def get_route(
     raw_request: Request,
     who: Caller,
     start: Annotated[int, Query(ge=0, description="first row (token position) returned")] = 0,
+    stop: Annotated[
+        int | None,
+        Query(ge=1, description="row after the last returned (default: the route's end)"),
+    ] = None,
     format: Annotated[
         Literal["binary", "json"] | None,
         Query(description="`json` for JSON lists; default binary (or by the Accept header)"),
@@ -56,10 +60,11 @@ async def get_route(
     accept: Annotated[str | None, Header()] = None,
     tenant: Tenant = None,
 ) -> Response:
-    """One route record, rows `start..T`."""
+    """One route record, rows `start` up to `stop` (default the end); JSON at most 8192 rows."""
     as_json = format == "json" or (format is None and "application/json" in (accept or ""))
     st = service_state(raw_request)
-    return await st.routes.get(st.store_for(who.namespace(tenant)), route_id, start, as_json)
+    store = st.store_for(who.namespace(tenant))
+    return await st.routes.get(store, route_id, start, as_json, stop)
 
 
 @router.post(

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from routereplay.client import (
     BATCH_MEDIA_TYPE,
@@ -28,8 +29,9 @@ from ..errors import (
     RouteTooLargeResponse,
 )
 from ..protocol import BatchRoutesRequest
+from .route_json import route_json
 
-__all__ = ["ServingRoutes"]
+__all__ = ["MAX_JSON_ROWS", "MAX_JSON_WEIGHT_ROWS", "ServingRoutes"]
 
 
 def _route_id(route_id: str) -> str:
@@ -49,27 +51,32 @@ def _not_found(route_id: str) -> NotFoundError:
     )
 
 
-def _as_json(route_id: str, rec: RouteRecord) -> dict[str, Any]:
-    return {
-        "route_id": route_id,
-        "model": rec.model,
-        "token_ids": rec.token_ids.tolist(),
-        "experts": rec.experts.tolist(),
-        "valid": rec.valid.tolist(),
-        "moe_layers": list(rec.moe_layers),
-        "num_layers": rec.num_layers,
-        "num_experts": rec.num_experts,
-        "prompt_len": rec.prompt_len,
-        "num_cached_tokens": rec.num_cached_tokens,
-        "metadata": rec.metadata,
-        "weight_versions": [list(span) for span in rec.weight_versions],
-        # The routing weights' exact values (float32 holds every bf16/fp16 one) and their dtype.
-        **(
-            {}
-            if rec.weights is None
-            else {"weights": rec.weights.tolist(), "weights_dtype": rec.weights_dtype}
-        ),
-    }
+# A JSON route is at most this many rows (the binary form has no such bound): 8192 rows of a
+# 48-layer top-8 model are 3.1M ids, about 13 MB of JSON; with the routing weights, whose
+# floats print at about a microsecond each under the GIL, 2048. Longer routes page with
+# start/stop.
+MAX_JSON_ROWS = 8192
+MAX_JSON_WEIGHT_ROWS = 2048
+# JSON renders one route at a time: two rendering threads contending for the GIL with the event
+# loop starve it (each hand-off may go to the other renderer).
+_RENDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="route-json")
+
+
+def _window(rec: RouteRecord, start: int, stop: int | None, as_json: bool) -> RouteRecord:
+    """``rec`` (rows from ``start``; ``stop > start``) cut at row ``stop`` (clipped to the
+    route's end); a JSON window over :data:`MAX_JSON_ROWS` rows is refused, naming the way to
+    read it."""
+    end = start + rec.num_tokens if stop is None else min(stop, start + rec.num_tokens)
+    most = MAX_JSON_ROWS if rec.weights is None else MAX_JSON_WEIGHT_ROWS
+    if as_json and end - start > most:
+        with_weights = "" if rec.weights is None else " with its weights"
+        raise InvalidRequestError(
+            f"a JSON route{with_weights} is at most {most} rows; rows [{start}, {end}) are "
+            f"{end - start}: page with start and stop, or read the binary form",
+            param="stop",
+            code="json_rows_over_limit",
+        )
+    return rec if end == start + rec.num_tokens else rec.rows(0, end - start)
 
 
 class ServingRoutes:
@@ -80,9 +87,18 @@ class ServingRoutes:
         self.max_batch_bytes = max_batch_bytes
 
     async def get(
-        self, store: AsyncRouteStore, route_id: str, start: int, as_json: bool
+        self,
+        store: AsyncRouteStore,
+        route_id: str,
+        start: int,
+        as_json: bool,
+        stop: int | None = None,
     ) -> Response:
         route_id = _route_id(route_id)
+        if stop is not None and stop <= start:  # before Redis is asked
+            raise InvalidRequestError(
+                f"stop={stop} must be greater than start={start}", param="stop"
+            )
         try:
             rec = await store.get(route_id, start=start)
         except (RouteNotFoundError, RouteEvictedError) as e:
@@ -93,9 +109,12 @@ class ServingRoutes:
             raise RouteCorruptResponse(str(e), param="route_id") from e
         except RouteLimitError as e:
             raise RouteTooLargeResponse(str(e), param="route_id") from e
+        rec = _window(rec, start, stop, as_json)
         # Encoding (or listing) a long record is CPU work: keep it off the event loop.
         if as_json:
-            return JSONResponse(await asyncio.to_thread(_as_json, route_id, rec))
+            loop = asyncio.get_running_loop()
+            body = await loop.run_in_executor(_RENDER, route_json, route_id, rec)
+            return Response(body, media_type="application/json")
         return Response(await asyncio.to_thread(encode_record, rec), media_type=MEDIA_TYPE)
 
     async def batch(self, store: AsyncRouteStore, body: BatchRoutesRequest) -> Response:

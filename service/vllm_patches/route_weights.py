@@ -315,9 +315,12 @@ def maybe_install() -> None:
         install()
 
 
-def split_routes(routes: np.ndarray, top_k: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+def split_routes(
+    routes: np.ndarray, top_k: int, num_experts: int, weights: bool = True
+) -> tuple[np.ndarray, np.ndarray | None]:
     """A widened ``[R, L, 2K]`` int32 capture -> ids ``[R, L, K]`` (vLLM's uint8/uint16) and
-    weights ``[R, L, K]`` float32 (the engine's values, exactly).
+    weights ``[R, L, K]`` float32 (the engine's values, exactly; None unless ``weights``: a
+    request that did not ask for them takes no copy).
 
     The ids are checked in range as int32 before they are narrowed: narrowing first would turn
     a layout change (weights' float bits in the id slots) into plausible small ids."""
@@ -333,5 +336,6 @@ def split_routes(routes: np.ndarray, top_k: int, num_experts: int) -> tuple[np.n
             f"outside [0, {num_experts}); the capture's row layout is not the expected one"
         )
     ids = wide.astype(np.uint8 if num_experts <= 256 else np.uint16)
-    weights = np.ascontiguousarray(routes[:, :, top_k:]).view(np.float32)
-    return ids, weights
+    if not weights:
+        return ids, None
+    return ids, np.ascontiguousarray(routes[:, :, top_k:]).view(np.float32)

@@ -306,3 +306,5 @@ def test_swapped_id_and_weight_slots_are_refused_before_narrowing() -> None:
     ok = np.concatenate([np.array([3, 5], dtype=np.int32), w])
     ids, weights = split_routes(np.broadcast_to(ok, (4, 2, 4)).copy(), 2, 8)
     assert ids.dtype == np.uint8 and (ids == [3, 5]).all() and (weights == [0.75, 0.25]).all()
+    same, none = split_routes(np.broadcast_to(ok, (4, 2, 4)).copy(), 2, 8, weights=False)
+    assert none is None and np.array_equal(same, ids)  # no weights copy unless asked

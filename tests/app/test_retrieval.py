@@ -221,3 +221,34 @@ async def test_a_server_deferring_ids_never_asked_cannot_loop_the_client() -> No
         with pytest.raises(RouteCorruptError, match="no progress"):
             await rc.get_many(["a-0"])
     assert calls == 1
+
+
+async def test_stop_cuts_both_forms_and_json_is_bounded(stored: App) -> None:
+    http = stored.http
+    url = "/v1/routes/retrieval-1-0"
+    rec = decode_record((await http.get(url)).content)
+    part = decode_record((await http.get(url, params={"start": 5, "stop": 40})).content)
+    assert part.same_routes(rec.rows(5, 40)) and part.metadata["row_start"] == 5
+    j = (await http.get(url, params={"start": 5, "stop": 40, "format": "json"})).json()
+    assert j["token_ids"] == rec.token_ids[5:40].tolist() and len(j["experts"]) == 35
+    past = decode_record((await http.get(url, params={"start": 120, "stop": 10**6})).content)
+    assert past.same_routes(rec.rows(120))  # stop clipped to the route's end
+    for params in ({"start": 7, "stop": 7}, {"stop": 0}):
+        r = await http.get(url, params=params)
+        assert r.status_code in (400, 422) and r.json()["error"]["param"] == "stop", r.text
+
+
+async def test_a_json_route_over_its_row_bound_names_the_way_to_read_it(
+    stored: App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from routereplay.service.serving import routes
+
+    monkeypatch.setattr(routes, "MAX_JSON_ROWS", 64)  # the route has 126 rows
+    url = "/v1/routes/retrieval-1-0"
+    r = await stored.http.get(url, params={"format": "json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and (err["param"], err["code"]) == ("stop", "json_rows_over_limit")
+    assert "start and stop" in err["message"] and "binary" in err["message"]
+    j = (await stored.http.get(url, params={"format": "json", "start": 64})).json()
+    assert len(j["token_ids"]) == 62
+    assert (await stored.http.get(url)).status_code == 200  # the binary form has no row bound
