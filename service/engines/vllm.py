@@ -164,6 +164,25 @@ def _is_retryable(e: BaseException) -> bool:
     return retryable is not None and isinstance(e, retryable)
 
 
+def _check_cpu_layout(args: Any) -> None:
+    """Refuse the layouts vLLM's CPU workers start but cannot serve (the first request would
+    end the engine): data parallel MoE dispatches tokens across DP ranks with ``all_gatherv``,
+    which the CPU communicator lacks, and the CPU fused-MoE kernel faults (SIGSEGV) on a rank
+    holding a part of the experts."""
+    if getattr(args, "data_parallel_size", 1) > 1:
+        raise StartupRefused(
+            f"data_parallel_size={args.data_parallel_size} on a CPU host: vLLM's CPU "
+            "communicator has no all_gatherv, which a MoE model's data-parallel dispatch "
+            "needs; serve data parallel on GPUs (tensor parallel serves on CPU)"
+        )
+    if getattr(args, "enable_expert_parallel", False):
+        raise StartupRefused(
+            "enable_expert_parallel on a CPU host: vLLM's CPU fused-MoE kernel faults on a "
+            "rank that holds a part of the experts; serve expert parallel on GPUs (tensor "
+            "parallel serves on CPU)"
+        )
+
+
 class VllmBackend(EngineBackend):
     """``AsyncLLM`` in this process (engine core in a child process)."""
 
@@ -230,12 +249,17 @@ class VllmBackend(EngineBackend):
                     "vLLM on CPU needs the Triton cpu hook for routed experts: run `python -m "
                     "routereplay.service.vllm_patches.cpu_setup` once in this environment"
                 )
-            set_omp_threads_bind(self._cpu_bind)
         self.tools = ToolCalling(*self._tool_flags)
         self.release = probe()
         check_release(self.release)
         log.info("%s", self.release.features())
         args = self.engine_args(cpu)
+        if cpu:
+            _check_cpu_layout(args)
+            try:
+                set_omp_threads_bind(self._cpu_bind, args.tensor_parallel_size)
+            except ValueError as e:
+                raise StartupRefused(f"--cpu-bind {self._cpu_bind}: {e}") from e
         self._check_plugins(cpu)
         from vllm.v1.engine.async_llm import AsyncLLM
 

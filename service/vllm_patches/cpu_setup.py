@@ -71,19 +71,24 @@ def parse_cpu_list(text: str) -> list[int]:
     return sorted(cpus)
 
 
-def omp_threads_bind(cpu_bind: str, allowed: set[int] | None = None) -> str:
-    """The value of ``VLLM_CPU_OMP_THREADS_BIND`` for the ``cpu_bind`` setting.
+def omp_threads_bind(cpu_bind: str, allowed: set[int] | None = None, ranks: int = 1) -> str:
+    """The value of ``VLLM_CPU_OMP_THREADS_BIND`` for the ``cpu_bind`` setting and an engine of
+    ``ranks`` tensor-parallel workers.
 
-    ``auto`` stays vLLM's ``auto``, which picks cores inside this process's CPU affinity
-    (``os.sched_getaffinity``: the cgroup's cpuset, taskset), keeping one for the engine's
-    scheduler; ``none`` is vLLM's ``nobind``; an explicit list (``2-3``, ``0-1|2-3`` per
-    tensor-parallel rank) must lie inside ``allowed`` (default: this process's affinity), since
-    threads pinned outside it would not run where the operator meant. ValueError otherwise.
+    ``auto`` with one rank stays vLLM's ``auto``, which picks cores inside this process's CPU
+    affinity (``os.sched_getaffinity``: the cgroup's cpuset, taskset), keeping one for the
+    engine's scheduler; with several ranks it is the allowed cores split evenly among them (one
+    kept for the scheduler when none is left over and a rank has more than one), since vLLM's
+    ``auto`` binds one rank per NUMA node and refuses more ranks than nodes. ``none`` is vLLM's
+    ``nobind``; an explicit list (``2-3``, ``0-1|2-3`` per rank) must lie inside ``allowed``
+    (default: this process's affinity) and name every rank. ValueError otherwise.
     """
-    if cpu_bind in ("auto", "none"):
-        return "nobind" if cpu_bind == "none" else "auto"
+    if cpu_bind == "none":
+        return "nobind"
     if allowed is None:
         allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if cpu_bind == "auto":
+        return "auto" if ranks == 1 or allowed is None else _split(sorted(allowed), ranks)
     if allowed is not None:
         outside = sorted(
             {c for rank in cpu_bind.split("|") for c in parse_cpu_list(rank)} - set(allowed)
@@ -93,12 +98,30 @@ def omp_threads_bind(cpu_bind: str, allowed: set[int] | None = None) -> str:
                 f"cores {outside} are outside this process's CPU affinity "
                 f"{sorted(allowed)} (its cgroup cpuset or taskset)"
             )
+    named = len(cpu_bind.split("|"))
+    if ranks > 1 and named != ranks:
+        raise ValueError(
+            f"{cpu_bind} names {named} core list(s) for an engine of {ranks} tensor-parallel "
+            "ranks: give one per rank, '|' between them"
+        )
     return cpu_bind
 
 
-def set_omp_threads_bind(cpu_bind: str) -> str:
+def _split(cores: list[int], ranks: int) -> str:
+    if len(cores) < ranks:
+        raise ValueError(
+            f"{ranks} tensor-parallel ranks need a core each; this process may use {cores}"
+        )
+    per = len(cores) // ranks
+    groups = [cores[i * per : (i + 1) * per] for i in range(ranks)]
+    if per > 1 and len(cores) == per * ranks:
+        groups[-1] = groups[-1][:-1]  # no core left over: one for the engine's scheduler
+    return "|".join(",".join(map(str, g)) for g in groups)
+
+
+def set_omp_threads_bind(cpu_bind: str, ranks: int = 1) -> str:
     """Put the ``cpu_bind`` setting where vLLM reads it (the engine core inherits it)."""
-    value = omp_threads_bind(cpu_bind)
+    value = omp_threads_bind(cpu_bind, ranks=ranks)
     old = os.environ.get(_OMP_BIND)
     if old is not None and old != value:
         log.warning("%s=%s replaced by the cpu_bind setting: %s", _OMP_BIND, old, value)

@@ -308,3 +308,20 @@ def test_swapped_id_and_weight_slots_are_refused_before_narrowing() -> None:
     assert ids.dtype == np.uint8 and (ids == [3, 5]).all() and (weights == [0.75, 0.25]).all()
     same, none = split_routes(np.broadcast_to(ok, (4, 2, 4)).copy(), 2, 8, weights=False)
     assert none is None and np.array_equal(same, ids)  # no weights copy unless asked
+
+
+def test_data_and_expert_parallel_on_a_cpu_host_are_refused_at_start() -> None:
+    """vLLM's CPU workers start DP = 2 and EP = 2 and end the engine on its first request (no
+    all_gatherv in the CPU communicator; the CPU fused-MoE kernel faults on a part of the
+    experts): refused before the engine starts, tensor parallel alone served."""
+    from types import SimpleNamespace
+
+    from routereplay.service.engines.vllm import _check_cpu_layout
+    from routereplay.service.errors import StartupRefused
+
+    with pytest.raises(StartupRefused, match=r"data_parallel_size=2 on a CPU host.*all_gatherv"):
+        _check_cpu_layout(SimpleNamespace(data_parallel_size=2))
+    with pytest.raises(StartupRefused, match=r"enable_expert_parallel on a CPU host.*faults"):
+        _check_cpu_layout(SimpleNamespace(data_parallel_size=1, enable_expert_parallel=True))
+    _check_cpu_layout(SimpleNamespace(data_parallel_size=1, tensor_parallel_size=2,
+                                      enable_expert_parallel=False))  # fmt: skip

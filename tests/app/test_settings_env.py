@@ -220,6 +220,19 @@ def test_cpu_bind_values() -> None:
         omp_threads_bind("2-5", allowed={0, 1, 2, 3})
 
 
+def test_cpu_bind_for_tensor_parallel_ranks() -> None:
+    """vLLM's auto binds one rank per NUMA node; auto here splits the allowed cores."""
+    assert omp_threads_bind("auto", allowed={0, 1}, ranks=2) == "0|1"
+    assert omp_threads_bind("auto", allowed={0, 1, 2, 3, 4}, ranks=2) == "0,1|2,3"  # 4: scheduler
+    assert omp_threads_bind("auto", allowed=set(range(8)), ranks=4) == "0,1|2,3|4,5|6"  # 7 too
+    with pytest.raises(ValueError, match=r"2 tensor-parallel ranks need a core each"):
+        omp_threads_bind("auto", allowed={3}, ranks=2)
+    assert omp_threads_bind("0|1", allowed={0, 1}, ranks=2) == "0|1"
+    with pytest.raises(ValueError, match=r"names 1 core list\(s\) for an engine of 2"):
+        omp_threads_bind("0-1", allowed={0, 1}, ranks=2)
+    assert omp_threads_bind("none", ranks=2) == "nobind"
+
+
 def test_cpu_bind_setting_reaches_the_variable_vllm_reads(monkeypatch) -> None:
     core = str(min(os.sched_getaffinity(0)))
     monkeypatch.setenv("ROUTEREPLAY_CPU_BIND", core)
