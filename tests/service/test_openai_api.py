@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-from collections.abc import Iterator
 
 import httpx
 import numpy as np
@@ -22,12 +21,6 @@ pytestmark = pytest.mark.vllm
 
 # The tiny random model usually emits EOS at once; ignore_eos gives completions of known length.
 EXTRA = {"ignore_eos": True}
-
-
-@pytest.fixture()
-def client(service: Service) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=service.v1, api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
 
 
 def fetch(service: Service, route_id: str, **params: str):

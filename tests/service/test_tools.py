@@ -8,7 +8,6 @@ pythonic parser's syntax."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import openai
 import pytest
@@ -25,12 +24,6 @@ TOOLS = [{"type": "function", "function": {
 }}]  # fmt: skip
 MSGS = [{"role": "user", "content": "What is the weather?"}]
 PYTHONIC = r"\[get_weather\(city='Paris'\)\]"
-
-
-@pytest.fixture()
-def client(service: Service) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=service.v1, api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
 
 
 def check_route(service: Service, r, rid: str) -> None:

@@ -6,7 +6,6 @@ tests/app/test_vllm_fields.py)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import httpx
 import numpy as np
@@ -17,12 +16,6 @@ from .test_openai_api import EXTRA, check_handle, fetch
 from engines import Service
 
 pytestmark = pytest.mark.vllm
-
-
-@pytest.fixture()
-def client(service: Service) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=service.v1, api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
 
 
 def post(service: Service, path: str, body: dict, rid: str) -> httpx.Response:

@@ -11,28 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from transformers import AutoTokenizer
 
 from engines import Service
 
 pytestmark = pytest.mark.vllm
-
-
-@pytest.fixture()
-def client(service: Service) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=service.v1, api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def tokenizer(service: Service):
-    return AutoTokenizer.from_pretrained(service.model_path)
 
 
 def test_show_version_and_check_health(service: Service) -> None:

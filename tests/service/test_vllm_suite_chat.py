@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from collections.abc import Iterator
 
 import httpx
 import openai
@@ -30,12 +29,6 @@ SERIES = [
     {"role": "user", "content": "Where was it played?"},
 ]
 VOCAB = 1024  # the tiny model's config vocab_size (vLLM's tests: Qwen2.5's 151936)
-
-
-@pytest.fixture()
-def client(service: Service) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=service.v1, api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
 
 
 def chat(client: openai.OpenAI, service: Service, messages=M1, **kw):

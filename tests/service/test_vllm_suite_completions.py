@@ -8,26 +8,13 @@ own tests")."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from engines import Service
 
 pytestmark = pytest.mark.vllm
-
-
-@pytest.fixture()
-def client(service: Service) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=service.v1, api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def tokenizer(service: Service):
-    return AutoTokenizer.from_pretrained(service.model_path)
 
 
 def complete(client: openai.OpenAI, service: Service, **kw):
