@@ -100,6 +100,7 @@ def make_backend(settings: Settings) -> EngineBackend:
         route_weights=settings.route_weights,
         tool_call_parser=settings.tool_call_parser,
         enable_auto_tool_choice=settings.enable_auto_tool_choice,
+        offload_bytes=settings.offload_bytes,
     )
 
 

@@ -207,7 +207,10 @@ class Settings(BaseSettings):
         1.0, gt=0, description="/ready answers 503 when a check takes longer than this"
     )
     offload_bytes: int = Field(
-        1 << 18, ge=0, description="records larger than this are built in a worker thread"
+        1 << 18,
+        ge=0,
+        description="records (and the engine arrays whose routing weights are split off) larger "
+        "than this are built in a worker thread",
     )
     routing_stats_window_s: float = Field(
         60.0,

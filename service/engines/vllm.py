@@ -59,10 +59,6 @@ log = logging.getLogger("routereplay.service")
 
 T = TypeVar("T")
 
-# Engine arrays past this size are split in a worker thread, off the event loop every stream
-# shares (the capture's default offload size).
-_OFFLOAD_BYTES = 1 << 18
-
 # OpenAI sampling fields that map 1:1 onto vllm.SamplingParams.
 _PASS_THROUGH = (
     "temperature",
@@ -202,8 +198,12 @@ class VllmBackend(EngineBackend):
         route_weights: RouteWeightsMode = "off",
         tool_call_parser: str | None = None,
         enable_auto_tool_choice: bool = False,
+        offload_bytes: int = 1 << 18,
     ) -> None:
         self.model = model
+        # Engine arrays past this size are split in a worker thread, off the event loop every
+        # stream shares (the capture's --offload-bytes).
+        self._offload_bytes = offload_bytes
         self._tool_flags = (tool_call_parser, enable_auto_tool_choice)
         self.tools: ToolCalling | None = None
         self.route_weights = route_weights
@@ -843,7 +843,7 @@ class VllmBackend(EngineBackend):
 
         args = (fin.routed_experts, self.info.top_k, self.info.num_experts, wanted)
         try:
-            big = fin.routed_experts.nbytes > _OFFLOAD_BYTES
+            big = fin.routed_experts.nbytes > self._offload_bytes
             ids, w = await asyncio.to_thread(split_routes, *args) if big else split_routes(*args)
         except ValueError as e:
             fin.routed_experts, fin.routes_error = None, str(e)
