@@ -189,17 +189,13 @@ class Manifest:
     digests: list[bytes]
     weights_dtype: str | None = None  # the record's weights plane; None: it has none
 
-    def needed(self, start: int, stop: int | None = None) -> list[int]:
-        """Indices of the chunks that hold rows ``start..T`` (``start..stop``: those up to
-        ``stop``, clipped to ``T``)."""
+    def needed(self, start: int) -> list[int]:
+        """Indices of the chunks that hold rows ``start..T``."""
         if not 0 <= start <= self.T:
             raise RouteShapeError(
                 f"route {self.route_id!r}: start={start} out of range [0, {self.T}]"
             )
-        if stop is not None and stop <= start:
-            raise RouteShapeError(f"route {self.route_id!r}: stop={stop} <= start={start}")
-        end = len(self.digests) if stop is None else -(-min(stop, self.T) // self.block_size)
-        return list(range(start // self.block_size, end))
+        return list(range(start // self.block_size, len(self.digests)))
 
     def seed(self) -> bytes:
         """The token chain before chunk 0 (see :func:`chain_seed`)."""
@@ -324,17 +320,13 @@ def assemble(
     blocks: Mapping[bytes, Block],
     start: int = 0,
     got: Sequence[Block] | None = None,
-    stop: int | None = None,
 ) -> RouteRecord:
     """The record's rows ``start..T`` from its decoded chunks (a :class:`StoredRecord`),
-    checking each chunk belongs and holds only ids below ``E``; with ``stop``, the rows of the
-    chunks up to it (to the end of the chunk holding row ``stop - 1``). ``got``: the blocks of
-    ``m.needed(start, stop)`` in order, where the caller has them already (a lookup each
-    saved)."""
+    checking each chunk belongs and holds only ids below ``E``. ``got``: the blocks of
+    ``m.needed(start)`` in order, where the caller has them already (a lookup each saved)."""
+    n = m.T - start
     bs = m.block_size
-    needed = m.needed(start, stop)
-    end = min(m.T, (needed[-1] + 1) * bs) if needed else start
-    n = end - start
+    needed = m.needed(start)
     if got is None:
         got = [blocks[m.digests[i]] for i in needed]
     prev = m.seed() if needed and needed[0] == 0 else None
@@ -380,7 +372,16 @@ def assemble(
         parts = [(0, np.empty((m.M, 0, m.K), expert_dtype(m.E)))]
     tok = np.concatenate(toks) if toks else np.empty(0, np.int64)
     valid = np.concatenate(valids) if valids else np.empty(0, bool)
-    p = _window_fields(m, start, end)
+    p = dict(m.fields)
+    pl = min(max(int(p["pl"]) - start, 0), n)
+    p["pl"] = pl
+    p["nc"] = min(int(p["nc"]), pl)
+    if start:
+        p["meta"] = {**(p.get("meta") or {}), "row_start": start}
+        p["wv"] = [
+            [v, max(a, start) - start, b - start] for v, a, b in p.get("wv") or () if b > start
+        ]
+    p["E"] = m.E
     w = None
     if weights is not None:
         w = np.concatenate(weights, axis=1) if weights else np.empty((m.M, 0, m.K), np.float32)
@@ -388,25 +389,6 @@ def assemble(
     return record_from_parts(
         p, tok, (parts, most), valid, f"route {m.route_id!r}", cls=StoredRecord, weights=w
     )
-
-
-def _window_fields(m: Manifest, start: int, end: int) -> dict[str, Any]:
-    """The manifest's record fields for rows ``[start, end)``: prompt and cached lengths and
-    weight spans clipped, the first row named."""
-    p = dict(m.fields)
-    pl = min(max(int(p["pl"]) - start, 0), end - start)
-    p["pl"] = pl
-    p["nc"] = min(int(p["nc"]), pl)
-    if start:
-        p["meta"] = {**(p.get("meta") or {}), "row_start": start}
-    if start or end < m.T:
-        p["wv"] = [
-            [v, max(a, start) - start, min(b, end) - start]
-            for v, a, b in p.get("wv") or ()
-            if b > start and a < end
-        ]
-    p["E"] = m.E
-    return p
 
 
 def _chunk_weights(m: Manifest, index: int, blk: Block, lo: int) -> np.ndarray:
@@ -431,7 +413,6 @@ class ReadPlan:
     start: int
     results: list[ReadResult]
     manifests: list[tuple[int, Manifest, list[int]]]  # (position, manifest, needed chunks)
-    stop: int | None = None
 
     def digests(self) -> list[bytes]:
         """Distinct chunk digests the read needs, in first-use order."""
@@ -455,15 +436,14 @@ def plan_read(
     manifest_blobs: Sequence[bytes | None],
     start: int = 0,
     limits: ReadLimits = DEFAULT_LIMITS,
-    stop: int | None = None,
 ) -> ReadPlan:
-    plan = ReadPlan(start, [None] * len(route_ids), [], stop)
+    plan = ReadPlan(start, [None] * len(route_ids), [])
     for idx, (rid, blob) in enumerate(zip(route_ids, manifest_blobs, strict=True)):
         if blob is None:
             continue
         try:
             m = parse_manifest(rid, blob, limits)
-            plan.manifests.append((idx, m, m.needed(start, stop)))
+            plan.manifests.append((idx, m, m.needed(start)))
         except RouteError as e:
             plan.results[idx] = e
     return plan
@@ -513,7 +493,7 @@ def assemble_read(
             out[idx] = type(problems[0])(f"route {m.route_id!r}: {problems[0]}")
         else:
             try:
-                out[idx] = assemble(m, decoded, plan.start, got, plan.stop)  # type: ignore[arg-type]
+                out[idx] = assemble(m, decoded, plan.start, got)  # type: ignore[arg-type]
             except RouteError as e:
                 out[idx] = e
             except MALFORMED as e:  # a check missed: still this id's error alone, named

@@ -239,13 +239,6 @@ def _read(names: list[str], mget: bool) -> Generator[list[Command], list[Any], l
     return (yield [_cmd("get", n) for n in names])
 
 
-def _cut(rec: RouteRecord, start: int, stop: int | None) -> RouteRecord:
-    """A record read from ``start`` with whole chunks up to ``stop``, cut at ``stop``."""
-    if stop is None or start + rec.num_tokens <= stop:
-        return rec
-    return rec.rows(0, stop - start)
-
-
 @dataclass(frozen=True)
 class _Read:
     """What every read op of a store needs besides its ids."""
@@ -254,7 +247,6 @@ class _Read:
     start: int
     limits: ReadLimits
     mget: bool
-    stop: int | None = None
 
 
 def _get_many(read: _Read, ids: list[str], pool: Executor | None, parts: int) -> Op:
@@ -262,7 +254,7 @@ def _get_many(read: _Read, ids: list[str], pool: Executor | None, parts: int) ->
     batches that decode (on ``pool``) while the next batch is read."""
     keys, mget = read.keys, read.mget
     blobs = yield from _read([keys.manifest(rid) for rid in ids], mget)
-    plan = plan_read(ids, blobs, read.start, read.limits, read.stop)
+    plan = plan_read(ids, blobs, read.start, read.limits)
     shapes = plan.shapes()
     digests = list(shapes)
     dec = ChunkDecoder(pool, parts, shapes)
@@ -481,10 +473,10 @@ class _Common:
         )
         return _put(plan, self.ttl_s if ttl_s is None else ttl_s)
 
-    def _get_op(self, route_ids: Sequence[str], start: int, stop: int | None = None) -> Op:
+    def _get_op(self, route_ids: Sequence[str], start: int) -> Op:
         ids = [validate_route_id(r) for r in route_ids]
         # A few tasks per thread per stage: even shares without a task per chunk.
-        read = _Read(self.keys, start, self.limits, self._mget, stop)
+        read = _Read(self.keys, start, self.limits, self._mget)
         return _get_many(read, ids, self._decode_pool(), 2 * self.decode_threads)
 
     def _raw_op(self, route_ids: Sequence[str], start: int, max_bytes: int) -> Op:
@@ -599,12 +591,9 @@ class RouteStore(_Common):
         """
         return self._run(self._put_op(route_id, record, ttl_s, canonical_order))
 
-    def get(self, route_id: str, *, start: int = 0, stop: int | None = None) -> RouteRecord:
-        """The record stored under ``route_id``, rows ``start..T`` (RouteNotFoundError if none);
-        with ``stop``, rows ``start..stop`` (clipped to ``T``), reading only their chunks."""
-        results = self._run(self._get_op([route_id], start, stop))
-        (rec,) = resolve_results([route_id], results, missing_ok=False, return_exceptions=False)
-        return _cut(rec, start, stop)  # type: ignore[arg-type]
+    def get(self, route_id: str, *, start: int = 0) -> RouteRecord:
+        """The record stored under ``route_id``, rows ``start..T`` (RouteNotFoundError if none)."""
+        return self.get_many([route_id], start=start)[0]  # type: ignore[return-value]
 
     def get_many(
         self,
@@ -770,11 +759,9 @@ class AsyncRouteStore(_Common):
             op = self._put_op(route_id, record, ttl_s, canonical_order)
         return await self._run(op, big)
 
-    async def get(self, route_id: str, *, start: int = 0, stop: int | None = None) -> RouteRecord:
+    async def get(self, route_id: str, *, start: int = 0) -> RouteRecord:
         """See :meth:`RouteStore.get`."""
-        results = await self._run(self._get_op([route_id], start, stop), True)
-        (rec,) = resolve_results([route_id], results, missing_ok=False, return_exceptions=False)
-        return _cut(rec, start, stop)  # type: ignore[arg-type]
+        return (await self.get_many([route_id], start=start))[0]  # type: ignore[return-value]
 
     async def get_many(
         self,

@@ -100,7 +100,7 @@ class ServingRoutes:
                 f"stop={stop} must be greater than start={start}", param="stop"
             )
         try:
-            rec = await store.get(route_id, start=start, stop=stop)  # only its chunks
+            rec = await store.get(route_id, start=start)
         except (RouteNotFoundError, RouteEvictedError) as e:
             raise _not_found(route_id) from e
         except RouteShapeError as e:

@@ -14,7 +14,6 @@ from routereplay.client import (
     AsyncRouteStore,
     RouteConnectionError,
     RouteCorruptError,
-    RouteEvictedError,
     RouteNotFoundError,
     RouteRecord,
     RouteShapeError,
@@ -84,46 +83,6 @@ def test_start_offset_returns_tail_rows(store: RouteStore) -> None:
         assert got.prompt_len == max(40 - start, 0)
     with pytest.raises(RouteShapeError, match="start=101"):
         store.get(r, start=101)
-
-
-@pytest.mark.parametrize("use_async", [False, True])
-def test_start_and_stop_read_only_their_chunks(
-    store: RouteStore, redis_url: str, use_async: bool
-) -> None:
-    """Rows ``[start, stop)`` equal the record's, with its labels clipped; the chunks past
-    ``stop`` are never read (one deleted under them does not fail the read)."""
-    rec = dataclasses.replace(make_record(np.arange(100), 3, prompt_len=40),
-                              weight_versions=[("v1", 0, 50), ("v2", 50, 100)])  # fmt: skip
-    r = rid()
-    store.put(r, rec)
-
-    def get(start: int, stop: int | None) -> RouteRecord:
-        if not use_async:
-            return store.get(r, start=start, stop=stop)
-        import asyncio
-
-        async def one() -> RouteRecord:
-            async with AsyncRouteStore.from_url(
-                redis_url, prefix=store.keys.prefix, block_size=16
-            ) as a:
-                return await a.get(r, start=start, stop=stop)
-
-        return asyncio.run(one())
-
-    for start, stop in ((0, 1), (0, 16), (5, 17), (16, 32), (39, 61), (60, 100), (90, 10**6)):
-        got, want = get(start, stop), rec.rows(start, min(stop, 100))
-        assert got.same_routes(want) and got.num_tokens == want.num_tokens, (start, stop)
-        assert got.weight_versions == want.weight_versions and got.prompt_len == want.prompt_len
-    with pytest.raises(RouteShapeError, match="stop=7 <= start=7"):
-        get(7, 7)
-    # The last chunk (rows 96-99) gone: the rows before it still read, the whole route not.
-    from routereplay.client._layout import parse_manifest
-
-    m = parse_manifest(r, store.redis.get(store.keys.manifest(r)))
-    assert store.redis.delete(store.keys.chunk(m.digests[-1])) == 1
-    assert get(0, 96).same_routes(rec.rows(0, 96))
-    with pytest.raises(RouteEvictedError):
-        get(0, None)
 
 
 def test_grpo_group_shares_prompt_chunks(store: RouteStore, redis_url: str) -> None:
