@@ -1,6 +1,7 @@
-"""Nothing heavy on the event loop: ``/health`` answers within 100 ms while 32k-token routes of
-the production router shape (48 MoE layers, top-8 of 128 experts) are read as JSON, page by
-page, and completions storing routing weights finish; the loop's lag is on ``/metrics``.
+"""Nothing heavy on the event loop: no callback of the service's loop spends 50 ms of CPU, and
+``/health`` answers in a median under 100 ms, while 32k-token routes of the production router
+shape (48 MoE layers, top-8 of 128 experts) are read as JSON, page by page, and completions
+storing routing weights finish; the loop's lag is on ``/metrics``.
 
 The service runs in its own process (a real uvicorn over the synthetic engine at that shape), so
 the GIL it serves under is its own: what this test's threads do cannot hold its loop."""
@@ -24,8 +25,21 @@ from routereplay.service.serving.routes import MAX_JSON_ROWS
 from .conftest import wait_for
 
 ROWS, LAYERS, TOP_K, EXPERTS = 32768, 48, 8, 128
+# The service's loop is the asyncio one here, not uvloop: its Python ``Handle._run`` can be
+# wrapped to charge each callback (a task step, a timer) the CPU time the loop's thread spent in
+# it. CPU time, unlike wall time, is not lengthened by the host's scheduler or by other
+# processes, so the slowest callback measures what runs on the loop and nothing else.
 SERVER = """
-import sys, uvicorn
+import asyncio, sys, time, uvicorn
+slowest = [0.0, ""]
+run = asyncio.events.Handle._run
+def timed_run(self):
+    t0 = time.thread_time()
+    run(self)
+    spent = time.thread_time() - t0
+    if spent > slowest[0]:
+        slowest[:] = [spent, repr(self)[:300]]
+asyncio.events.Handle._run = timed_run
 from routereplay.service.app import create_app
 from routereplay.service.engines.synthetic import SyntheticBackend
 from routereplay.service.settings import Settings
@@ -33,7 +47,12 @@ port, redis_url, prefix = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 be = SyntheticBackend("lag-moe", num_layers=48, moe_layers=range(48), num_experts=128, top_k=8,
                       max_model_len=40960, route_weights="on")
 app = create_app(Settings(redis_url=redis_url, route_prefix=prefix), backend=be)
-uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+def slowest_callback():  # the slowest since the last call
+    out = {"cpu_s": slowest[0], "callback": slowest[1]}
+    slowest[:] = [0.0, ""]
+    return out
+app.add_api_route("/slowest-callback", slowest_callback)
+uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", loop="asyncio")
 """
 
 
@@ -93,13 +112,14 @@ def complete_with_weights(url: str, errors: list[str]) -> None:
                 errors.append(f"completion: {r.status_code} {r.text[:200]}")
 
 
-def test_health_answers_within_100_ms_while_long_routes_render(service: str) -> None:
+def test_no_callback_holds_the_loop_while_long_routes_render(service: str) -> None:
     errors: list[str] = []
     work = [threading.Thread(target=read_json_pages, args=(service, errors)),
             threading.Thread(target=complete_with_weights, args=(service, errors))]  # fmt: skip
     latencies: list[float] = []
     with httpx.Client(timeout=30) as probe:
         probe.get(f"{service}/health")  # a kept-alive connection: latency is the server's
+        probe.get(f"{service}/slowest-callback")  # start-up's callbacks do not count
         for t in work:
             t.start()
         while any(t.is_alive() for t in work):
@@ -108,14 +128,17 @@ def test_health_answers_within_100_ms_while_long_routes_render(service: str) -> 
             latencies.append(time.perf_counter() - t0)
             time.sleep(0.02)
         lag = httpx.get(f"{service}/metrics").text
+        slowest = probe.get(f"{service}/slowest-callback").json()
     for t in work:
         t.join()
     assert not errors, errors
     assert len(latencies) > 20, "the work ended before /health was asked enough times"
-    # One answer may be late for the host's scheduler alone (the suite's other worker runs an
-    # engine beside this test); a stall of the service's loop delays several, or one by seconds.
-    worst = sorted(latencies)[-5:]
-    assert worst[-2] < 0.1 and worst[-1] < 1.0, worst
+    # No callback on the loop spends 50 ms of CPU: a page rendered on the loop spends 300 ms, and
+    # every /health behind it waits that long. Wall times are the host's too (one answer of an
+    # idle run may take 150 ms while the scheduler runs other processes), so only their median
+    # is held under 100 ms.
+    assert slowest["cpu_s"] < 0.05, slowest
+    assert float(np.median(latencies)) < 0.1, sorted(latencies)
     name = "routereplay_event_loop_lag_seconds_count"
     count = [ln for ln in lag.splitlines() if ln.startswith(name)]
     assert count and float(count[0].split()[-1]) > 0
