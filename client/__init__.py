@@ -27,7 +27,7 @@ from ._layout import PutResult, StoredRecord
 from ._limits import ReadLimits, decoded_bytes
 from ._load import UNKNOWN_VERSION, expert_counts, layer_counts, load_figures
 from ._record import EngineRoutes, RouteRecord, WeightSpan, expert_dtype
-from ._store import MIN_REDIS_VERSION, AsyncRouteStore, RouteStore
+from ._store import MIN_REDIS_VERSION, AsyncRouteStore, RouteStore, StoreAddress
 from ._threads import default_decode_threads
 
 __all__ = [
@@ -60,6 +60,7 @@ __all__ = [
     "RouteTruncatedError",
     "RouteVersionError",
     "RoutesClient",
+    "StoreAddress",
     "StoredRecord",
     "UnsupportedRedisError",
     "WeightSpan",

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Self
 
 import redis
@@ -48,7 +48,13 @@ from ._limits import DEFAULT_LIMITS, ReadLimits
 from ._record import RouteRecord
 from ._threads import DecodePool, default_decode_threads
 
-__all__ = ["MIN_REDIS_VERSION", "AsyncRouteStore", "RouteStore", "redis_versions"]
+__all__ = [
+    "MIN_REDIS_VERSION",
+    "AsyncRouteStore",
+    "RouteStore",
+    "StoreAddress",
+    "redis_versions",
+]
 
 # Connections a store opens to one Redis server at most (Redis's own limit is 10,000 clients).
 MAX_CONNECTIONS = 512
@@ -179,6 +185,22 @@ _RENEW = (
 # sent back each batch's replies; its return value is the operation's result.
 Command = tuple[str, tuple[Any, ...], dict[str, Any]]
 Op = Generator[list[Command], list[Any], Any]
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """What opens the same store in another process: :meth:`RouteStore.from_url`'s arguments
+    (``redis_kwargs`` as sorted pairs, so an address is hashable)."""
+
+    url: str
+    cluster: bool
+    prefix: str
+    ttl_s: int
+    block_size: int
+    redis_kwargs: tuple[tuple[str, Any], ...] = ()
+
+    def with_prefix(self, prefix: str) -> StoreAddress:
+        return replace(self, prefix=prefix)
 
 
 def _cmd(name: str, *args: Any, **kwargs: Any) -> Command:
@@ -355,6 +377,8 @@ class _Common:
         self._refused: tuple[str, float] | None = None
         self._slots = None if max_operations is None else self._slots_class(max_operations)
         self._closed = False
+        # Set by from_url: how a worker process opens this store again (None: made from a client).
+        self.address: StoreAddress | None = None
 
     @contextlib.contextmanager
     def _guard(self) -> Iterator[None]:
@@ -447,11 +471,15 @@ class _Common:
             kwargs.setdefault("timeout", kwargs["socket_timeout"])
             pool = cls._blocking_pool.from_url(url, **kwargs)
             client = cls._clients[0].from_pool(pool)
-        return cls(
+        store = cls(
             client, prefix=prefix, ttl_s=ttl_s, block_size=block_size,
             decode_threads=decode_threads, limits=limits, where=url,
             max_operations=max_operations,
         )  # fmt: skip
+        store.address = StoreAddress(
+            url, is_cluster, prefix, ttl_s, block_size, tuple(sorted(redis_kwargs.items()))
+        )
+        return store
 
     def _pipe(self, batch: list[Command]) -> Any:
         # RedisCluster pipelines are never transactional and take no such argument.
@@ -539,13 +567,13 @@ class RouteStore(_Common):
 
     _slots_class = threading.BoundedSemaphore
 
-    def _run(self, op: Op) -> Any:
+    def _run(self, op: Op, deadline: float | None = None) -> Any:
         if self._slots is None:
-            return self._run_now(op)
+            return self._run_now(op, deadline)
         with self._slots:
-            return self._run_now(op)
+            return self._run_now(op, deadline)
 
-    def _run_now(self, op: Op) -> Any:
+    def _run_now(self, op: Op, deadline: float | None = None) -> Any:
         if self.server_versions is None:
             self._cached_refusal()
             self.check_server()
@@ -553,6 +581,10 @@ class RouteStore(_Common):
             try:
                 batch = next(op)
                 while True:
+                    if batch and deadline is not None and time.monotonic() > deadline:
+                        # Checked before every batch, the manifest's last: an operation past
+                        # its deadline writes no manifest, so a put reported late is not stored.
+                        raise TimeoutError("the operation's deadline passed")
                     batch = op.send(self._pipe(batch).execute() if batch else [])
             except StopIteration as done:
                 return done.value
@@ -581,15 +613,18 @@ class RouteStore(_Common):
         *,
         ttl_s: int | None = None,
         canonical_order: bool = False,
+        deadline: float | None = None,
     ) -> PutResult:
         """Store ``record`` under ``route_id``: chunks first (NX), the manifest last.
 
         A reader sees either no manifest or a manifest whose chunks all exist. Chunks that
         already exist (shared prefixes) are not sent again; their TTL is extended to at least
         ``ttl_s`` so they outlive the new manifest. ``canonical_order=True`` stores each row's
-        experts sorted (replay ignores their order) for a smaller encoding.
+        experts sorted (replay ignores their order) for a smaller encoding. ``deadline`` (a
+        ``time.monotonic()`` value): past it no further batch is sent and the put raises
+        ``TimeoutError`` with no manifest written.
         """
-        return self._run(self._put_op(route_id, record, ttl_s, canonical_order))
+        return self._run(self._put_op(route_id, record, ttl_s, canonical_order), deadline)
 
     def get(self, route_id: str, *, start: int = 0) -> RouteRecord:
         """The record stored under ``route_id``, rows ``start..T`` (RouteNotFoundError if none)."""
@@ -632,11 +667,13 @@ class RouteStore(_Common):
         with self._guard():
             return bool(self.redis.delete(self._manifest_key(route_id)))
 
-    def fill_from_prefix_index(self, record: RouteRecord) -> tuple[RouteRecord, int]:
+    def fill_from_prefix_index(
+        self, record: RouteRecord, *, deadline: float | None = None
+    ) -> tuple[RouteRecord, int]:
         """Fill invalid rows of complete blocks from chunks that other records stored for the
         same token prefix and model shape. Returns the record (a new one if rows were filled) and
-        the number of rows filled."""
-        return self._run(_fill(self.keys, record, self.block_size))
+        the number of rows filled. ``deadline``: as :meth:`put`'s."""
+        return self._run(_fill(self.keys, record, self.block_size), deadline)
 
 
 class AsyncRouteStore(_Common):

@@ -32,6 +32,7 @@ from .errors import StartupRefused, install_error_handlers, redact
 from .http_limits import BodySizeLimit
 from .metrics import ServiceMetrics
 from .model_info import ModelInfo
+from .route_workers import RouteWorkers
 from .routers import ROUTERS
 from .settings import Settings
 from .state import ServiceState
@@ -151,6 +152,19 @@ def read_limits(info: ModelInfo, weights: bool) -> ReadLimits:
     return ReadLimits(max_rows=rows, max_bytes=size)
 
 
+async def _start_route_workers(
+    settings: Settings, stack: contextlib.AsyncExitStack
+) -> RouteWorkers:
+    """The route workers, started (off the loop) before the first request; the stack waits for
+    the routes in flight when it closes them."""
+    workers = RouteWorkers(settings.route_workers)
+    stack.push_async_callback(workers.aclose)
+    pids = await asyncio.to_thread(workers.start)
+    where = f"{len(pids)} processes" if pids else "threads of this process"
+    log.info("routes are built and stored by route workers: %s", where)
+    return workers
+
+
 async def _start_backend(settings: Settings, stack: contextlib.AsyncExitStack) -> EngineBackend:
     """The backend ``settings`` select, started, closed by ``stack``."""
     be = make_backend(settings)
@@ -236,11 +250,11 @@ def create_app(
             st.limits = read_limits(be.info, settings.route_weights != "off")
             metrics.bind_queue_depth(be.num_unfinished)
             metrics.bind_engine(be.engine_metrics())
-            app.state.service = ServiceState.build(settings, metrics, be, st, clock)
+            workers = await _start_route_workers(settings, stack)
+            app.state.service = ServiceState.build(settings, metrics, be, st, workers, clock)
             stack.push_async_callback(app.state.service.request_ids.aclose)
             if (stats := app.state.service.capture.stats) is not None:
                 metrics.registry.register(stats)
-                stack.push_async_callback(stats.aclose)  # drains off the loop
                 stack.callback(metrics.registry.unregister, stats)
             # FastAPI runs sync dependencies through anyio, whose asyncio backend imports on first
             # use: done here, not as a stall of the first request's event loop.

@@ -1,7 +1,9 @@
 """Capture: a finished choice's engine routes -> a route record in Redis -> the response handle.
 
-A route is stored whole or reported ``failed`` (the store publishes the manifest last, so a
-reader never sees half a route); a failure never fails the completion itself.
+The record is built, stored and counted by a route worker (:mod:`.route_workers`); this side
+bounds the writes in flight and turns the worker's outcome into the handle and the metrics. A
+route is stored whole or reported ``failed`` (the store publishes the manifest last, so a reader
+never sees half a route); a failure never fails the completion itself.
 """
 
 from __future__ import annotations
@@ -14,43 +16,24 @@ import time
 
 import numpy as np
 
-from routereplay.client import AsyncRouteStore, EngineRoutes, RouteError, RouteRecord
+from routereplay.client import AsyncRouteStore
 
 from .engine import ChoiceFinished
 from .errors import redact
 from .metrics import ServiceMetrics
 from .model_info import ModelInfo
 from .protocol import RouteHandle, WeightSpanOut
+from .route_workers import ChoiceJob, RouteWorkerError, RouteWorkers, StoreOutcome
 from .routing_stats import RoutingStats
 
 __all__ = ["RouteCapture", "npy_base64"]
 
 log = logging.getLogger("routereplay.service")
 
-
-def row_spans(
-    output_spans: list[tuple[str, int, int]] | None, prompt_len: int, num_rows: int
-) -> list[tuple[str, int, int]]:
-    """The engine's weight-version spans over output tokens, as spans over the record's rows.
-
-    Output token ``i`` is sampled by the forward pass over position ``P + i - 1`` (``P`` the
-    prompt length), which also routes row ``P + i - 1``; the prompt's rows are routed by the
-    prefill that samples token 0. So rows ``[0, P)`` take token 0's version and row ``P + i``
-    token ``i + 1``'s: output span ``[s, e)`` covers rows ``[P + s - 1, P + e - 1)``, the first
-    one from row 0 and the last one to the end (the final row is never routed). Unknown -> [].
-    """
-    spans = [(v, s, e) for v, s, e in output_spans or () if e > s]
-    if not spans:
-        return []
-    out = []
-    for n, (v, s, e) in enumerate(spans):
-        a = 0 if n == 0 else prompt_len + s - 1
-        b = num_rows if n == len(spans) - 1 else prompt_len + e - 1
-        if out and out[-1][0] == v:
-            out[-1] = (v, out[-1][1], b)
-        elif b > a:
-            out.append((v, a, b))
-    return out
+# How long past a route's own deadline its worker may take to answer before the route is
+# reported failed: the worker stops at the deadline between two Redis batches, and one batch
+# is bounded by the socket timeout.
+_WORKER_GRACE_S = 15.0
 
 
 def npy_base64(arr: np.ndarray) -> str:
@@ -68,61 +51,21 @@ class RouteCapture:
         info: ModelInfo,
         metrics: ServiceMetrics,
         *,
+        workers: RouteWorkers,
         ttl_s: int | None = None,
         timeout_s: float = 30.0,
-        offload_bytes: int = 1 << 18,
         max_pending: int = 256,
         stats: RoutingStats | None = None,
     ) -> None:
         self.info = info
         self.metrics = metrics
+        self.workers = workers
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
-        self.offload_bytes = offload_bytes
         self.max_pending = max_pending
         self.stats = stats
         self.pending = 0
         metrics.pending_writes.set_function(lambda: self.pending)
-
-    def build(
-        self, fin: ChoiceFinished, prompt_token_ids: list[int], request_id: str
-    ) -> RouteRecord:
-        """The record of one choice: tokens ``[T]`` = prompt + completion, experts of MoE layers."""
-        info = self.info
-        T = len(prompt_token_ids) + len(fin.output_token_ids)
-        routes = EngineRoutes(
-            fin.routed_experts, fin.routes_row_start, fin.routed_weights, fin.weights_dtype
-        )
-        return RouteRecord.from_engine(
-            routes,
-            np.asarray(prompt_token_ids + fin.output_token_ids, dtype=np.int64),
-            prompt_len=len(prompt_token_ids),
-            num_experts=info.num_experts,
-            moe_layers=info.moe_layers,
-            num_layers=info.num_layers,
-            num_cached_tokens=min(fin.num_cached_tokens, len(prompt_token_ids)),
-            model=info.name,
-            metadata={"request_id": request_id, "choice": fin.index, "finish": fin.finish_reason},
-            weight_versions=row_spans(fin.weight_versions, len(prompt_token_ids), T),
-        )
-
-    async def _fill(
-        self, store: AsyncRouteStore, route_id: str, record: RouteRecord, deadline: float
-    ) -> RouteRecord:
-        """Best effort: rows the index cannot supply stay marked invalid, and a failing index
-        lookup stores the record as it is rather than failing the route."""
-        try:
-            async with asyncio.timeout_at(deadline):
-                record, filled = await store.fill_from_prefix_index(record)
-        except Exception as e:  # the put below decides whether the route is stored
-            log.warning(
-                "prefix-index fill for route %s failed, storing unfilled: %s", route_id,
-                redact(repr(e)),
-            )  # fmt: skip
-            self.metrics.store_errors.labels(reason="fill_" + type(e).__name__).inc()
-            return record
-        self.metrics.rows_filled.inc(filled)
-        return record
 
     async def capture(
         self,
@@ -173,42 +116,54 @@ class RouteCapture:
         request_id: str,
         handle: RouteHandle,
     ) -> RouteHandle:
-        try:
-            nbytes = fin.routed_experts.nbytes
-            if fin.routed_weights is not None:
-                nbytes += fin.routed_weights.nbytes
-            if nbytes > self.offload_bytes:
-                record = await asyncio.to_thread(self.build, fin, prompt_token_ids, request_id)
-            else:
-                record = self.build(fin, prompt_token_ids, request_id)
-            # One deadline for fill + put, so a capture never takes longer than timeout_s.
-            deadline = asyncio.get_running_loop().time() + self.timeout_s
-            # The last sampled token never has a route; anything else missing (an engine that
-            # returned rows from an offset, or skipped a cached prefix) is filled from the index.
-            if not record.valid[:-1].all():
-                record = await self._fill(store, route_id, record, deadline)
-            async with asyncio.timeout_at(deadline):
-                result = await store.put(route_id, record, ttl_s=self.ttl_s)
-        except Exception as e:
-            if isinstance(e, (RouteError, TimeoutError)):
-                # The store's expected failures (Redis down, full, slow): the reason suffices.
-                log.warning("storing route %s failed: %s", route_id, redact(repr(e)))
-            else:  # a bug: keep the traceback
-                log.exception("storing route %s failed unexpectedly", route_id)
-            detail = redact(str(e))
-            handle.error = f"{type(e).__name__}: {detail}" if detail else type(e).__name__
-            self.metrics.store_errors.labels(reason=type(e).__name__).inc()
+        if store.address is None:
+            handle.error = "the route store was not opened from a URL a route worker can open"
+            self.metrics.store_errors.labels(reason="no_address").inc()
             return handle
+        # One deadline for fill + put, so a capture never takes longer than timeout_s; the
+        # worker writes no manifest past it.
+        job = ChoiceJob(
+            store.address, route_id, self.info, fin, prompt_token_ids, request_id, self.ttl_s,
+            time.monotonic() + self.timeout_s, self.stats is not None, store.limits,
+        )  # fmt: skip
+        try:
+            # The worker's own deadline ends its work; this one covers a worker that hangs.
+            async with asyncio.timeout(self.timeout_s + _WORKER_GRACE_S):
+                out = await self.workers.run(job)
+        except (RouteWorkerError, TimeoutError) as e:
+            out = StoreOutcome(error=f"{type(e).__name__}: {e}", error_type=type(e).__name__)
+        self._log_fill(route_id, out)
+        if out.error is not None:
+            return self._failed(route_id, handle, out)
         self.metrics.routes_stored.inc()
-        self.metrics.route_bytes.inc(result.bytes_written)
-        if self.stats is not None:
-            self.stats.observe(record)
+        self.metrics.route_bytes.inc(out.bytes_written)
+        if self.stats is not None and out.counts is not None:
+            self.stats.add(out.counts)
         handle.status = "stored"
-        handle.num_valid_rows = int(record.valid.sum())
-        handle.weight_version = record.weight_version
+        handle.num_valid_rows = out.num_valid_rows
+        handle.weight_version = out.weight_version
         handle.weights = fin.routed_weights is not None
         handle.weights_dtype = fin.weights_dtype if handle.weights else None
         handle.weight_versions = [
-            WeightSpanOut(version=v, start=a, stop=b) for v, a, b in record.weight_versions
+            WeightSpanOut(version=v, start=a, stop=b) for v, a, b in out.weight_versions
         ] or None
+        return handle
+
+    def _log_fill(self, route_id: str, out: StoreOutcome) -> None:
+        if out.fill_error is not None:
+            log.warning(
+                "prefix-index fill for route %s failed, storing unfilled: %s", route_id,
+                redact(out.fill_error),
+            )  # fmt: skip
+            self.metrics.store_errors.labels(reason=f"fill_{out.fill_error_type}").inc()
+        self.metrics.rows_filled.inc(out.rows_filled)
+
+    def _failed(self, route_id: str, handle: RouteHandle, out: StoreOutcome) -> RouteHandle:
+        error = redact(out.error or "")
+        if out.unexpected is not None:  # a bug: keep the traceback
+            log.error("storing route %s failed unexpectedly\n%s", route_id, redact(out.unexpected))
+        else:  # the store's expected failures (Redis down, full, slow): the reason suffices
+            log.warning("storing route %s failed: %s", route_id, error)
+        handle.error = error
+        self.metrics.store_errors.labels(reason=out.error_type or "unknown").inc()
         return handle

@@ -4,24 +4,17 @@ window, the load imbalance, the routing entropy and the share of experts no toke
 A Prometheus collector with bounded cardinality: ``layers x versions x 3`` gauge series (the
 ``--routing-stats-versions`` newest weight versions, by first appearance), plus, only with
 ``--expert-metrics`` and at most :data:`MAX_EXPERTS_PER_EXPERT_METRICS` experts, a per-expert
-token counter (``layers x experts`` series). The capture path only hands a stored record to
-:meth:`RoutingStats.observe`, which queues its expert ids, valid rows and weight spans (O(1), no
-copy); a worker thread counts them. The queue is bounded by the bytes it keeps alive: past
-``max_queued_bytes`` a record is skipped and counted in
-``routereplay_routing_stats_skipped_total{reason="queue_full"}``: the figures are a sample then,
-never a slower request or a growing heap.
+token counter (``layers x experts`` series). A stored record is counted where it was built (a
+route worker: :func:`version_counts`), and the serving process only adds the ``[M, E]`` counts
+of each weight span to its windows (:meth:`RoutingStats.add`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple
 
 import numpy as np
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -35,53 +28,37 @@ from routereplay.client import (
 )
 
 __all__ = [
-    "DEFAULT_MAX_QUEUED_BYTES",
     "MAX_EXPERTS_PER_EXPERT_METRICS",
     "UNKNOWN_VERSION",
     "RoutingStats",
+    "VersionCounts",
     "expert_counts",
     "load_figures",
+    "version_counts",
 ]
 
-log = logging.getLogger("routereplay.service")
-
 MAX_EXPERTS_PER_EXPERT_METRICS = 64
-DEFAULT_MAX_QUEUED_BYTES = 64 << 20
 _BUCKETS = 12  # the window moves in steps of window_s / _BUCKETS
-# Charged per queued record on top of its arrays (the tuple, two array headers, the spans), so
-# a flood of tiny records is bounded too.
-_ITEM_BYTES = 512
 # Versions pushed out of the kept ones, remembered so that a late record of one is recognised as
 # old; a version never seen (or forgotten past this many) counts as the newest.
 _RETIRED_REMEMBERED = 1024
-_CLOSE_TIMEOUT_S = 5.0
+
+# A record's expert counts ``[M, E]`` per weight span, in row order.
+VersionCounts = list[tuple[str, np.ndarray]]
 
 
-def _held_nbytes(a: np.ndarray) -> int:
-    """The bytes a reference to ``a`` keeps alive: a view holds its whole base array."""
-    while isinstance(a.base, np.ndarray):
-        a = a.base
-    return a.nbytes
-
-
-class _Routes(NamedTuple):
-    """What counting needs of a stored record and nothing more: the stored expert ids
-    ``[T, M, K]`` (uint8/uint16, not copied), the valid rows ``[T]`` bool and the weight spans."""
-
-    experts: np.ndarray
-    valid: np.ndarray
-    spans: tuple[tuple[str, int, int], ...]
-    nbytes: int  # what the queue keeps alive for it
-
-    @classmethod
-    def of(cls, record: RouteRecord) -> _Routes:
-        spans = record.weight_versions or [(None, 0, record.num_tokens)]
-        return cls(
-            record.experts,
-            record.valid,
-            tuple((str(v or UNKNOWN_VERSION), int(a), int(b)) for v, a, b in spans),
-            _held_nbytes(record.experts) + _held_nbytes(record.valid) + _ITEM_BYTES,
-        )
+def version_counts(record: RouteRecord) -> VersionCounts:
+    """The expert counts of ``record``'s valid rows, one ``[M, E]`` array per weight span
+    (spans of one version stay apart: the windows add them). Counts in blocks, so a long
+    record is never copied whole as int64."""
+    spans = record.weight_versions or [(UNKNOWN_VERSION, 0, record.num_tokens)]
+    out = []
+    for version, start, stop in spans:
+        valid = record.valid[start:stop]
+        if valid.any():
+            counts = layer_counts(record.experts[start:stop], valid, record.num_experts)
+            out.append((str(version or UNKNOWN_VERSION), counts))
+    return out
 
 
 class _Window:
@@ -119,9 +96,6 @@ class RoutingStats:
             Rows of a version pushed out already (a late record) are left uncounted.
         per_expert: also export ``routereplay_expert_tokens_total{layer, expert}``; refused above
             :data:`MAX_EXPERTS_PER_EXPERT_METRICS` experts.
-        max_queued_bytes: what the records waiting to be counted may keep alive (their expert
-            ids and valid rows); past it a record is skipped. A record larger than this alone is
-            queued only when the queue is empty.
     """
 
     def __init__(
@@ -133,7 +107,6 @@ class RoutingStats:
         window_s: float = 60.0,
         versions: int = 2,
         per_expert: bool = False,
-        max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if per_expert and num_experts > MAX_EXPERTS_PER_EXPERT_METRICS:
@@ -146,96 +119,36 @@ class RoutingStats:
         self.top_k = int(top_k)
         self.window_s = float(window_s)
         self.versions = int(versions)
-        self.max_queued_bytes = int(max_queued_bytes)
         self.clock = clock
         self._lock = threading.Lock()
         self._windows: OrderedDict[str, _Window] = OrderedDict()  # by first appearance
         self._retired: OrderedDict[str, None] = OrderedDict()  # pushed out, oldest first
         self._expert_totals = np.zeros((len(self.layers), self.E), np.int64) if per_expert else None
-        self.skipped = 0  # records: the queue was full
         self.skipped_retired = 0  # records with rows of a version pushed out already
-        self._queue: queue.SimpleQueue[_Routes | None] = queue.SimpleQueue()
-        self._queued_bytes = 0
-        self._bytes_lock = threading.Lock()
-        self._thread: threading.Thread | None = None  # started by the first observe
-        self._closed = False
-        self.skipped_closed = 0  # records stored after close(): nothing counts them any more
-
-    # -- capture side ----------------------------------------------------------------------
-    @property
-    def queued_bytes(self) -> int:
-        """Bytes the records waiting to be counted (or being counted) keep alive."""
-        return self._queued_bytes
-
-    def observe(self, record: RouteRecord) -> None:
-        """Queue a stored record's expert ids, valid rows and spans to be counted; never
-        blocks, never copies the arrays. After :meth:`close` a record is only counted as
-        skipped: a late store must not start a worker nobody will stop."""
-        if self._closed:
-            self.skipped_closed += 1
-            return
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="routing-stats", daemon=True)
-            self._thread.start()
-        routes = _Routes.of(record)
-        with self._bytes_lock:
-            if self._queued_bytes and self._queued_bytes + routes.nbytes > self.max_queued_bytes:
-                self.skipped += 1
-                return
-            self._queued_bytes += routes.nbytes
-        self._queue.put(routes)
-
-    def close(self) -> None:
-        """Count what is queued, then stop the worker; waits up to 5 s for it (from a
-        coroutine, await :meth:`aclose` instead)."""
-        self._closed = True
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            self._queue.put(None)
-            thread.join(timeout=_CLOSE_TIMEOUT_S)
-
-    async def aclose(self) -> None:
-        """:meth:`close` in a worker thread: the event loop keeps serving while the queue
-        drains."""
-        await asyncio.to_thread(self.close)
-
-    def _run(self) -> None:
-        while True:
-            routes = self._queue.get()
-            if routes is None:
-                return
-            try:
-                self._count(routes)
-            except Exception:  # a record of another shape: telemetry must not stop serving
-                log.exception("routing stats: counting a record failed")
-            finally:
-                with self._bytes_lock:
-                    self._queued_bytes -= routes.nbytes
-            del routes  # not kept alive while waiting for the next one
 
     def count(self, record: RouteRecord) -> None:
         """Add ``record``'s valid rows to its weight versions' windows (each span its own)."""
-        self._count(_Routes.of(record))
+        self.add(version_counts(record))
 
-    def _count(self, routes: _Routes) -> None:
+    def add(self, counts: VersionCounts) -> None:
+        """Add a stored record's :func:`version_counts` to its versions' windows; rows of a
+        version pushed out already are left uncounted (and the record counted as skipped)."""
+        shape = (len(self.layers), self.E)
+        for _, c in counts:
+            if c.shape != shape:  # checked before any is added: a record counts whole or not
+                raise ValueError(f"counts of shape {c.shape}, not {shape}")
         bucket = self._bucket(self.clock())
         retired = False
-        for version, start, stop in routes.spans:
-            valid = routes.valid[start:stop]
-            if not valid.any():
-                continue
-            with self._lock:
+        with self._lock:
+            for version, c in counts:
                 window = self._window(version)
-            if window is None:
-                retired = True
-                continue
-            counts = layer_counts(routes.experts[start:stop], valid, self.E)
-            with self._lock:
-                window.add(bucket, counts)
+                if window is None:
+                    retired = True
+                    continue
+                window.add(bucket, c)
                 if self._expert_totals is not None:
-                    self._expert_totals += counts
-        if retired:
-            self.skipped_retired += 1
+                    self._expert_totals += c
+            self.skipped_retired += retired
 
     def _bucket(self, t: float) -> int:
         return int(t // (self.window_s / _BUCKETS))
@@ -297,14 +210,11 @@ class RoutingStats:
         yield tokens
         skipped = CounterMetricFamily(
             "routereplay_routing_stats_skipped",
-            "stored records the routing statistics left uncounted, in whole or in part: their "
-            "queue was full, rows of a weight version older than the kept ones, or the "
-            "statistics were closed (shutdown)",
+            "stored records the routing statistics left uncounted, in whole or in part: rows "
+            "of a weight version older than the kept ones",
             labels=["reason"],
         )
-        skipped.add_metric(["queue_full"], self.skipped)
         skipped.add_metric(["retired_version"], self.skipped_retired)
-        skipped.add_metric(["closed"], self.skipped_closed)
         yield skipped
         if experts is not None:
             fam = CounterMetricFamily(

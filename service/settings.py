@@ -7,6 +7,7 @@ from the fields): flags override the environment, which overrides the defaults.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -58,6 +59,12 @@ def _engine_args(value: dict[str, Any]) -> dict[str, Any]:
 
 # 'TENANT:KEY' or 'KEY', checked as the settings are read: a bad one names its flag or variable.
 KeyEntry = Annotated[SecretStr, AfterValidator(_key_entry)]
+
+
+def default_route_workers() -> int:
+    """A quarter of the host's CPUs, 1 to 4: a route costs a worker far less than the engine
+    spends producing it, so a few processes keep up with a node's engines."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 class Settings(BaseSettings):
@@ -209,8 +216,15 @@ class Settings(BaseSettings):
     offload_bytes: int = Field(
         1 << 18,
         ge=0,
-        description="records (and the engine arrays whose routing weights are split off) larger "
-        "than this are built in a worker thread",
+        description="engine arrays larger than this have their routing weights split off in a "
+        "worker thread",
+    )
+    route_workers: int = Field(
+        default_factory=default_route_workers,
+        ge=0,
+        description="processes that build, compress, store and count routes, off the serving "
+        "process's GIL (default: a quarter of the CPUs, 1 to 4); 0: threads of the serving "
+        "process",
     )
     routing_stats_window_s: float = Field(
         60.0,

@@ -15,6 +15,7 @@ from .errors import EngineUnavailableError
 from .metrics import ServiceMetrics
 from .model_info import ModelInfo
 from .request_ids import RequestIds
+from .route_workers import RouteWorkers
 from .routing_stats import RoutingStats
 from .serving import ServingChat, ServingCompletion, ServingModels, ServingRL, ServingRoutes
 from .settings import Settings
@@ -53,6 +54,8 @@ class ServiceState:
                 base.redis, prefix=f"{base.keys.prefix}:t:{namespace}", ttl_s=base.ttl_s,
                 block_size=base.block_size,
             )  # fmt: skip
+            if base.address is not None:
+                st.address = base.address.with_prefix(st.keys.prefix)
             self._stores[namespace] = st
         return st
 
@@ -63,14 +66,15 @@ class ServiceState:
         metrics: ServiceMetrics,
         backend: EngineBackend,
         store: AsyncRouteStore,
+        workers: RouteWorkers,
         clock: Clock | None = None,
     ) -> ServiceState:
-        """Compose the serving classes over a started backend and an open store; ``clock``
-        times the request-id leases (default: real time)."""
+        """Compose the serving classes over a started backend, an open store and started route
+        workers; ``clock`` times the request-id leases (default: real time)."""
         capture = RouteCapture(
-            backend.info, metrics, ttl_s=settings.route_ttl_s,
-            timeout_s=settings.store_timeout_s, offload_bytes=settings.offload_bytes,
-            max_pending=settings.max_pending_writes, stats=routing_stats(settings, backend.info),
+            backend.info, metrics, workers=workers, ttl_s=settings.route_ttl_s,
+            timeout_s=settings.store_timeout_s, max_pending=settings.max_pending_writes,
+            stats=routing_stats(settings, backend.info),
         )  # fmt: skip
         # A claim is renewed while its request runs, up to the longest a request may run (a
         # leaked one, a stream never started, lapses then); a dead replica's within one lease.

@@ -1,22 +1,15 @@
 """Expert-load telemetry (service/routing_stats.py): the figures per MoE layer and weight
-version over a sliding window, bounded series, the per-expert counter's limit, a queue that holds
-only the expert ids and spans and is bounded by bytes (skipping records, never blocking), counting
-in blocks, the newest versions kept by first appearance, a shutdown that leaves the event loop
-serving, and the metrics on a running app's /metrics."""
+version over a sliding window, bounded series, the per-expert counter's limit, counting in
+blocks, the newest versions kept by first appearance, counts taken in a route worker process
+equal to the serving process's own, and the metrics on a running app's /metrics."""
 
 from __future__ import annotations
 
-import asyncio
-import gc
 import math
-import threading
-import time
 import tracemalloc
-import weakref
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
 
 from routereplay.client import RouteRecord, expert_counts
 from routereplay.service import routing_stats
@@ -100,58 +93,29 @@ def _big_record(T: int, M: int, K: int, spans=None) -> RouteRecord:
                        weights_dtype="float32")  # fmt: skip
 
 
-def test_the_queue_keeps_the_ids_not_the_record() -> None:
+def test_counts_from_another_process_are_the_records() -> None:
+    # A route worker counts the record it built and sends the counts, pickled, to the serving
+    # process: what arrives must add up to what counting the record here adds.
+    import pickle
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    rec = _big_record(4096, len(LAYERS), K, spans=[("v1", 0, 1000), ("v2", 1000, 4096)])
+    here, there = RoutingStats(LAYERS, E, K), RoutingStats(LAYERS, E, K)
+    here.count(rec)
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+        counts = pool.submit(routing_stats.version_counts, rec).result()
+    assert [v for v, _ in counts] == ["v1", "v2"] and pickle.dumps(counts)
+    there.add(counts)
+    assert _values(there) == _values(here)
+    assert _values(here)[("routereplay_routed_tokens_window", ("weight_version", "v2"))] == 3095
+
+
+def test_counts_of_another_shape_are_refused() -> None:
     stats = RoutingStats(LAYERS, E, K)
-    rec = _big_record(4096, len(LAYERS), K)
-    record, weights, tokens = weakref.ref(rec), weakref.ref(rec.weights), weakref.ref(rec.token_ids)
-    with stats._lock:  # the worker waits inside its first count, holding what was queued
-        stats.observe(rec)
-        del rec
-        gc.collect()
-        assert record() is None and weights() is None and tokens() is None
-    stats.close()
-    v = _values(stats)
-    assert v[("routereplay_routed_tokens_window", ("weight_version", "unknown"))] == 4095
-
-
-def test_the_queue_is_bounded_by_bytes_and_skips_past_it() -> None:
-    stats = RoutingStats(range(32), E, 8)  # the default bound: 64 MiB
-    T, n = 16384, 40  # 4 MiB of expert ids a record
-    tracemalloc.start()
-    try:
-        with stats._lock:  # the worker waits inside its first count: the queue fills
-            for i in range(n):
-                ex = np.full((T, 32, 8), i % E, np.uint8)
-                stats.observe(RouteRecord(np.arange(T), ex, np.ones(T, bool), range(32), 32, E))
-                del ex
-                assert 0 < stats.queued_bytes <= 64 << 20
-            held = tracemalloc.get_traced_memory()[0]
-    finally:
-        tracemalloc.stop()
-    assert held <= 65 << 20, f"{n} records observed, {held} bytes still held"
-    assert stats.skipped >= 24
-    stats.close()  # counts what was queued
-    assert stats.queued_bytes == 0
-    v = _values(stats)
-    assert v[("routereplay_routed_tokens_window", ("weight_version", "unknown"))] == T * (
-        n - stats.skipped
-    )
-    assert v[("routereplay_routing_stats_skipped_total", ("reason", "queue_full"))] == stats.skipped
-    registry = CollectorRegistry()
-    registry.register(stats)
-    assert b"routereplay_routing_entropy{" in generate_latest(registry)
-
-
-def test_a_record_larger_than_the_bound_waits_alone() -> None:
-    rec = _big_record(1024, len(LAYERS), K)
-    stats = RoutingStats(LAYERS, E, K, max_queued_bytes=1024)
-    with stats._lock:
-        stats.observe(rec)  # counted: nothing else waits
-        stats.observe(rec)  # skipped: the first still waits
-    stats.close()
-    assert stats.skipped == 1 and stats.queued_bytes == 0
-    v = _values(stats)
-    assert v[("routereplay_routed_tokens_window", ("weight_version", "unknown"))] == 1023
+    with pytest.raises(ValueError, match=r"counts of shape \(3, 8\), not \(2, 8\)"):
+        stats.add([("v", np.zeros((3, E), np.int64))])
+    assert not [k for k in _values(stats) if k[0] == "routereplay_routed_tokens_window"]
 
 
 def test_counting_copies_a_block_not_the_record() -> None:
@@ -192,77 +156,11 @@ def test_a_late_record_of_an_old_version_leaves_the_live_window() -> None:
     assert versions() == {"v3", "v4"}
 
 
-async def test_aclose_drains_while_the_loop_runs() -> None:
-    stats = RoutingStats(LAYERS, E, K)
-    stats._lock.acquire()  # the worker waits inside its count until the loop lets it go
-    stats.observe(_record([[[0, 1], [2, 3]]] * 4))
-    closing = asyncio.create_task(stats.aclose())
-    for _ in range(3):  # the loop keeps running while the close waits for the worker
-        await asyncio.sleep(0.01)
-    assert not closing.done()
-    stats._lock.release()
-    await closing
-    v = _values(stats)
-    assert v[("routereplay_routed_tokens_window", ("weight_version", "unknown"))] == 4
-
-
-def test_a_record_after_close_starts_no_worker() -> None:
-    stats = RoutingStats(LAYERS, E, K)
-    stats.observe(_record([[[0, 1], [2, 3]]] * 4))
-    stats.close()
-    stats.observe(_record([[[0, 1], [2, 3]]] * 4))  # a store that finished during shutdown
-    assert stats._thread is None
-    assert not [t for t in threading.enumerate() if t.name == "routing-stats"]
-    v = _values(stats)
-    assert v[("routereplay_routing_stats_skipped_total", ("reason", "closed"))] == 1
-    assert v[("routereplay_routed_tokens_window", ("weight_version", "unknown"))] == 4
-
-
-async def test_shutdown_drains_the_routing_stats_off_the_loop(
-    redis_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A close that blocked the loop would wait out its whole timeout (the worker finishes only
-    # once the loop runs): far beyond any stall a loaded host makes, so the two cannot be confused.
-    monkeypatch.setattr(routing_stats, "_CLOSE_TIMEOUT_S", 120.0)
-    ticks: list[float] = []
-    shutting_down = asyncio.Event()
-    async with running_app(redis_url) as svc:
-        stats, info = svc.app.state.service.capture.stats, svc.backend.info
-        T, M = 64, len(info.moe_layers)
-        rec = RouteRecord(np.arange(T), np.zeros((T, M, info.top_k), np.uint8), np.ones(T, bool),
-                          info.moe_layers, info.num_layers, info.num_experts)  # fmt: skip
-        stats._lock.acquire()  # the worker waits inside its count: closing waits for it
-        stats.observe(rec)
-
-        async def tick() -> None:
-            await shutting_down.wait()
-            closing = 0
-            while True:
-                ticks.append(time.monotonic())
-                closing += stats._thread is None  # the close has begun
-                if closing == 3 and stats._lock.locked():
-                    stats._lock.release()  # only a running loop lets the worker finish
-                await asyncio.sleep(0.01)
-
-        ticker = asyncio.create_task(tick())
-        await asyncio.sleep(0)
-        shutting_down.set()
-        start = time.monotonic()
-    ticks.append(time.monotonic())
-    ticker.cancel()
-    if stats._lock.locked():
-        stats._lock.release()
-    stalls = np.diff([start, *ticks])
-    assert stalls.max() < 60, f"the event loop stood still {stalls.max():.1f} s in the shutdown"
-    v = _values(stats)
-    assert v[("routereplay_routed_tokens_window", ("weight_version", "unknown"))] == T
-
-
 async def test_metrics_endpoint_shows_the_stored_routes_load(redis_url: str) -> None:
     async with running_app(redis_url, expert_metrics=True) as svc:
         info = svc.backend.info
         await svc.openai.completions.create(model=MODEL, prompt="hello there", max_tokens=6)
-        # Counted in the stats worker after the route is stored.
+        # Counted by the route worker that stored the route.
         await until(lambda: svc.metric("routereplay_routed_tokens_window"), "the load counted")
         text = (await svc.http.get("/metrics")).text
     layers = {ln.split('layer="')[1].split('"')[0] for ln in text.splitlines()
