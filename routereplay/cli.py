@@ -18,7 +18,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "bench": (
         "routereplay.cli:_bench_main",
-        "benchmarks: store | service | trainer | routes | scale | tp | json",
+        "benchmarks: store | service | trainer | routes | scale | tp | json | capture",
     ),
     "experiment": (
         "routereplay.cli:_experiment_main",
@@ -48,6 +48,7 @@ _BENCHES: dict[str, str] = {
     "scale": "routereplay.bench.scale:main",
     "tp": "routereplay.bench.tp:main",
     "json": "routereplay.bench.route_json:main",
+    "capture": "routereplay.bench.capture:main",
 }
 
 
