@@ -13,6 +13,7 @@ import base64
 import io
 import logging
 import time
+import traceback
 
 import numpy as np
 
@@ -130,8 +131,10 @@ class RouteCapture:
             # The worker's own deadline ends its work; this one covers a worker that hangs.
             async with asyncio.timeout(self.timeout_s + _WORKER_GRACE_S):
                 out = await self.workers.run(job)
-        except (RouteWorkerError, TimeoutError) as e:
+        except Exception as e:  # the job never reached a worker, or its worker went away
             out = StoreOutcome(error=f"{type(e).__name__}: {e}", error_type=type(e).__name__)
+            if not isinstance(e, (RouteWorkerError, TimeoutError)):  # a bug (a job unpicklable)
+                out.unexpected = traceback.format_exc()
         self._log_fill(route_id, out)
         if out.error is not None:
             return self._failed(route_id, handle, out)

@@ -52,8 +52,12 @@ __all__ = ["main"]
 SERVERS = ("floor", "peer", "routereplay")
 # What each choice's response waits for its route to be stored (routereplay's /metrics).
 _STORE_SECONDS = "routereplay_route_store_seconds"
-# Also on request: routereplay with its expert-load telemetry off, what that telemetry costs.
+# Also on request, routereplay with one setting changed: its expert-load telemetry off (what
+# that telemetry costs), its routes stored in threads of the serving process (what the route
+# worker processes take off its GIL).
 STATS_OFF = "rr-stats-off"
+THREADS = "rr-threads"
+VARIANTS = {STATS_OFF: ["--routing-stats-window-s", "0"], THREADS: ["--route-workers", "0"]}
 
 
 def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -250,14 +254,13 @@ def _levels(args: argparse.Namespace, server: str) -> list[tuple[str, int, int, 
 
 def _run_server(server: str, args: argparse.Namespace, model: str, logs: Path) -> list[dict]:
     cfg = _engine_config(args)
-    ours = server in ("routereplay", STATS_OFF)
+    ours = server == "routereplay" or server in VARIANTS
     private = redis_server() if ours else contextlib.nullcontext(None)
     with private as url:
         port = free_port()
         argv = (_rr_argv(cfg, model, port, url) if ours
                 else _vllm_argv(cfg, model, port, server == "peer"))  # fmt: skip
-        if server == STATS_OFF:
-            argv += ["--routing-stats-window-s", "0"]
+        argv += VARIANTS.get(server, [])
         base = f"http://127.0.0.1:{port}"
         ready = base + ("/ready" if ours else "/v1/models")
         print(f"starting {server} ...", flush=True)
@@ -278,8 +281,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="routereplay bench service", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--model", help="model path (default: the tiny Qwen3-MoE, built if missing)")
+    also = ", ".join(VARIANTS)
     p.add_argument("--servers", default=",".join(SERVERS),
-                   help=f"which, in order (default: all three; also {STATS_OFF})")  # fmt: skip
+                   help=f"which, in order (default: all three; also {also})")  # fmt: skip
     p.add_argument("--concurrency", type=ints, default=[1, 8, 32], help="sequences in flight")
     p.add_argument("--sequences", type=ints, default=[4, 32, 64], help="sequences per level")
     p.add_argument("--group-size", type=int, default=1, help="n: choices per request (GRPO: 8)")
@@ -319,8 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.py_spy is not None and pyspy.executable() is None:
         p.error("--py-spy needs the py-spy executable (pip install py-spy)")
     servers = args.servers.split(",")
-    if set(servers) - {*SERVERS, STATS_OFF}:
-        p.error(f"--servers: choose among {', '.join(SERVERS)}, {STATS_OFF}")
+    if set(servers) - {*SERVERS, *VARIANTS}:
+        p.error(f"--servers: choose among {', '.join([*SERVERS, *VARIANTS])}")
     model = args.model
     if model is None:
         from routereplay.service.tiny_model import ensure_tiny_model

@@ -9,7 +9,7 @@ from typing import Any
 
 __all__ = ["report"]
 
-_SERVERS = ("floor", "peer", "rr-stats-off", "routereplay")
+_SERVERS = ("floor", "peer", "rr-stats-off", "rr-threads", "routereplay")
 
 
 def _ms(x: float | None) -> str:
@@ -73,7 +73,7 @@ def _ratios(by: dict[tuple, dict[str, Any]]) -> list[str]:
     for (srv, mode, conc), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
         if srv != "routereplay":
             continue
-        for other in ("floor", "peer", "rr-stats-off"):
+        for other in ("floor", "peer", "rr-stats-off", "rr-threads"):
             o = by.get((other, mode, conc))
             if o is None:
                 continue

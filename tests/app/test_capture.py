@@ -146,3 +146,19 @@ async def test_shutdown_waits_for_the_routes_in_flight(redis_url: str) -> None:
         assert [r.token_ids.tolist() for r in records] == [p + [7] * 3 for p in prompts]
         late = await cap.capture(store, "d-late", _finished(prompts[0], [1]), prompts[0], "d")
         assert late.status == "failed" and "shut down" in (late.error or ""), late
+
+
+async def test_a_job_no_worker_can_take_is_a_failed_route(redis_url: str) -> None:
+    # A store opened with a setting that cannot be pickled (a function) cannot be sent to a
+    # worker process: the route fails with the reason, the capture does not raise.
+    workers = RouteWorkers(1)
+    await asyncio.to_thread(workers.start)
+    cap = RouteCapture(INFO, ServiceMetrics(), workers=workers, timeout_s=30)
+    store = AsyncRouteStore.from_url(redis_url, prefix="u", redis_connect_func=lambda c: None)
+    prompt = [1, 2, 3]
+    try:
+        handle = await cap.capture(store, "u-0", _finished(prompt, [4]), prompt, "u")
+    finally:
+        await workers.aclose()
+        await store.close()
+    assert handle.status == "failed" and "pickle" in (handle.error or "").lower(), handle
