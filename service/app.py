@@ -250,6 +250,9 @@ def create_app(
             st.limits = read_limits(be.info, settings.route_weights != "off")
             metrics.bind_queue_depth(be.num_unfinished)
             metrics.bind_engine(be.engine_metrics())
+            if st.address is None:  # else every route would fail, one by one
+                raise StartupRefused("the route store was not opened from a URL (from_url): "
+                                     "route workers cannot open it")  # fmt: skip
             workers = await _start_route_workers(settings, stack)
             app.state.service = ServiceState.build(settings, metrics, be, st, workers, clock)
             stack.push_async_callback(app.state.service.request_ids.aclose)
