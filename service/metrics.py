@@ -12,6 +12,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from .gc_pauses import GcPauses
+
 __all__ = ["LOOP_LAG_INTERVAL_S", "ServiceMetrics", "VllmEngineMetrics"]
 
 LOOP_LAG_INTERVAL_S = 0.05
@@ -88,6 +90,13 @@ class ServiceMetrics:
             f"{LOOP_LAG_INTERVAL_S}s: a stall delays every stream, probe and lease renewal",
             buckets=_LAG_BUCKETS, registry=r,
         )  # fmt: skip
+        self.gc_pauses = GcPauses()  # started by the app's lifespan
+        r.register(self.gc_pauses)
+        self.gc_frozen = Gauge(
+            "routereplay_gc_frozen_objects",
+            "objects the app froze out of the garbage collector's walks at start-up",
+            registry=r,
+        )
         self._engine: Collector | None = None
 
     async def watch_loop_lag(self) -> None:

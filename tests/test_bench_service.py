@@ -156,7 +156,51 @@ def test_histogram_summary_reads_the_observations_between_two_reads() -> None:
     s = histogram_summary(before, after)
     assert s["n"] == 100 and abs(s["mean_s"] - 0.02) < 1e-12
     assert s["p99_le_s"] == 0.1  # 99 of the 100 new ones are at most 0.1 s
+    assert s["max_le_s"] == float("inf")  # one of them is beyond 0.1 s
     assert histogram_summary(after, after) == {}
+    later = {**after, "sum": 3.5, "count": 120, "le=0.01": 70, "le=0.1": 119, "le=+Inf": 120}
+    assert histogram_summary(after, later)["max_le_s"] == 0.01  # all ten new ones
+
+
+def test_histogram_and_gauge_read_one_series_of_a_metrics_page() -> None:
+    """The series of a labelled histogram that ``labels`` names, not its neighbours."""
+    import http.server
+    import threading
+
+    from routereplay.bench.serving_probe import gauge, histogram
+
+    page = b"""# TYPE p histogram
+p_bucket{generation="0",le="0.5"} 7.0
+p_bucket{generation="0",le="+Inf"} 9.0
+p_count{generation="0"} 9.0
+p_sum{generation="0"} 4.0
+p_bucket{generation="2",le="0.5"} 1.0
+p_bucket{generation="2",le="+Inf"} 2.0
+p_count{generation="2"} 2.0
+p_sum{generation="2"} 1.25
+frozen 695000.0
+"""
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}/metrics"
+        assert histogram(url, "p", 'generation="2"') == {
+            "le=0.5": 1.0, "le=+Inf": 2.0, "count": 2.0, "sum": 1.25}  # fmt: skip
+        assert histogram(url, "p", 'generation="0"')["count"] == 9.0
+        assert histogram(url, "p") == {}  # no unlabelled series
+        assert gauge(url, "frozen") == 695000.0 and gauge(url, "absent") is None
+    finally:
+        srv.shutdown()
 
 
 def test_py_spy_samples_every_process_of_the_server_group(tmp_path) -> None:

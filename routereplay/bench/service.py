@@ -52,12 +52,19 @@ __all__ = ["main"]
 SERVERS = ("floor", "peer", "routereplay")
 # What each choice's response waits for its route to be stored (routereplay's /metrics).
 _STORE_SECONDS = "routereplay_route_store_seconds"
+# Read before and after each level of routereplay's servers: (row key, histogram, series).
+_STALLS = (("store_wait", _STORE_SECONDS, ""),
+           ("loop_lag", "routereplay_event_loop_lag_seconds", ""),
+           ("gc_full", "routereplay_gc_pause_seconds", 'generation="2"'))  # fmt: skip
 # Also on request, routereplay with one setting changed: its expert-load telemetry off (what
 # that telemetry costs), its routes stored in threads of the serving process (what the route
-# worker processes take off its GIL).
+# worker processes take off its GIL), every route stored with its routing weights (what they
+# cost against ids only).
 STATS_OFF = "rr-stats-off"
 THREADS = "rr-threads"
-VARIANTS = {STATS_OFF: ["--routing-stats-window-s", "0"], THREADS: ["--route-workers", "0"]}
+WEIGHTS = "rr-weights"
+VARIANTS = {STATS_OFF: ["--routing-stats-window-s", "0"], THREADS: ["--route-workers", "0"],
+            WEIGHTS: ["--route-weights", "on"]}  # fmt: skip
 
 
 def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -131,7 +138,7 @@ class _Bench:
         groups = self.groups(conc, seqs, k)
         cpu0 = probe.group_cpu_s(self.pid)
         red0 = probe.redis_counters(self.redis_url) if self.redis_url else None
-        store0 = probe.histogram(f"{self.base}/metrics", _STORE_SECONDS)
+        hist0 = self.histograms()
         with (
             self.profiled(f"{self.server}-{mode}-c{conc}"),
             probe.max_gauge(f"{self.base}/metrics", "routereplay_route_writes_pending") as peak,
@@ -143,10 +150,24 @@ class _Bench:
         if red0 is not None:
             red1 = probe.redis_counters(self.redis_url)
             row["redis"] = {k: red1[k] - red0[k] for k in red0}
-            store1 = probe.histogram(f"{self.base}/metrics", _STORE_SECONDS)
-            row["store_wait"] = probe.histogram_summary(store0, store1)
+            for (key, _, _), a, b in zip(_STALLS, hist0, self.histograms(), strict=True):
+                row[key] = probe.histogram_summary(a, b)
         row.update(self.routes(mode, conc, lv))
         return row
+
+    def startup_heap(self) -> str:
+        """What the server froze at start, and the full collection before it: the walk each
+        full collection would take without the freeze."""
+        full = probe.histogram(f"{self.base}/metrics", "routereplay_gc_pause_seconds",
+                               'generation="2"')  # fmt: skip
+        frozen = probe.gauge(f"{self.base}/metrics", "routereplay_gc_frozen_objects")
+        return (
+            f"{self.server}: start-up heap of {frozen or 0:.0f} objects frozen; the full "
+            f"collection before it took {full.get('sum', 0) * 1e3:.0f} ms"
+        )
+
+    def histograms(self) -> list[dict[str, float]]:
+        return [probe.histogram(f"{self.base}/metrics", name, sel) for _, name, sel in _STALLS]
 
     @contextlib.contextmanager
     def profiled(self, tag: str) -> Iterator[None]:
@@ -267,6 +288,8 @@ def _run_server(server: str, args: argparse.Namespace, model: str, logs: Path) -
         log = logs / f"{server}.log"
         with server_process(argv, ready, log, timeout_s=args.start_timeout_s) as p:
             b = _Bench(server, args, model, p.pid, base, url)
+            if ours:
+                print(b.startup_heap(), flush=True)
             b.warm_up()
             rows = []
             for mode, k, conc, seqs in _levels(args, server):

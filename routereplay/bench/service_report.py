@@ -9,7 +9,9 @@ from typing import Any
 
 __all__ = ["report"]
 
-_SERVERS = ("floor", "peer", "rr-stats-off", "rr-threads", "routereplay")
+# routereplay with one setting changed (bench service's VARIANTS).
+_VARIANTS = ("rr-stats-off", "rr-threads", "rr-weights")
+_SERVERS = ("floor", "peer", *_VARIANTS, "routereplay")
 
 
 def _ms(x: float | None) -> str:
@@ -44,7 +46,12 @@ def _store_wait(r: dict[str, Any]) -> str:
     w = r.get("store_wait")
     if not w:
         return ""
-    return f"; store wait mean {w['mean_s'] * 1e3:.1f} ms, p99 <= {w['p99_le_s'] * 1e3:g} ms"
+    out = f"; store wait mean {w['mean_s'] * 1e3:.1f} ms, p99 <= {w['p99_le_s'] * 1e3:g} ms"
+    if lag := r.get("loop_lag"):
+        out += f"; loop lag max <= {lag['max_le_s'] * 1e3:g} ms"
+    if full := r.get("gc_full"):
+        out += f"; {full['n']:.0f} full GCs, {full['mean_s'] * 1e3:.0f} ms mean"
+    return out
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:
@@ -73,7 +80,7 @@ def _ratios(by: dict[tuple, dict[str, Any]]) -> list[str]:
     for (srv, mode, conc), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
         if srv != "routereplay":
             continue
-        for other in ("floor", "peer", "rr-stats-off", "rr-threads"):
+        for other in ("floor", "peer", *_VARIANTS):
             o = by.get((other, mode, conc))
             if o is None:
                 continue

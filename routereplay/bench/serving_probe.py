@@ -20,9 +20,9 @@ from routereplay.client import RouteError, RouteRecord, RouteStore
 from .loadtest import SentRoute, check_route
 from .serving_load import Choice
 
-__all__ = ["RouteTally", "check_handles", "check_inline", "compare_rows", "group_cpu_s",
-           "group_pids", "histogram", "histogram_summary", "inline_array", "max_gauge",
-           "redis_counters"]  # fmt: skip
+__all__ = ["RouteTally", "check_handles", "check_inline", "compare_rows", "gauge",
+           "group_cpu_s", "group_pids", "histogram", "histogram_summary", "inline_array",
+           "max_gauge", "redis_counters"]  # fmt: skip
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -99,34 +99,50 @@ def max_gauge(metrics_url: str, name: str, every_s: float = 0.25) -> Iterator[li
         loop.close()
 
 
-def histogram(metrics_url: str, name: str) -> dict[str, float]:
+def gauge(metrics_url: str, name: str) -> float | None:
+    """A Prometheus gauge without labels read once; None if the endpoint does not export it."""
+    with contextlib.suppress(httpx.HTTPError):
+        for line in httpx.get(metrics_url, timeout=10).text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return None
+
+
+def histogram(metrics_url: str, name: str, labels: str = "") -> dict[str, float]:
     """A Prometheus histogram read once: ``sum``, ``count`` and each bucket's cumulative count
-    keyed ``le=<bound>``; empty if the endpoint does not export it."""
+    keyed ``le=<bound>``; ``labels`` picks one series (``'generation="2"'``). Empty if the
+    endpoint does not export it."""
+    sel = "{" + labels + "}" if labels else ""
+    bucket = name + "_bucket{" + (labels + "," if labels else "") + 'le="'
     out: dict[str, float] = {}
     with contextlib.suppress(httpx.HTTPError):
         for line in httpx.get(metrics_url, timeout=10).text.splitlines():
-            if line.startswith(name + "_sum "):
+            if line.startswith(name + "_sum" + sel + " "):
                 out["sum"] = float(line.split()[1])
-            elif line.startswith(name + "_count "):
+            elif line.startswith(name + "_count" + sel + " "):
                 out["count"] = float(line.split()[1])
-            elif line.startswith(name + '_bucket{le="'):
-                le = line.split('"')[1]
+            elif line.startswith(bucket):
+                le = line[len(bucket) :].split('"')[0]
                 out["le=" + le] = float(line.rsplit(" ", 1)[1])
     return out
 
 
 def histogram_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Mean and p99 (the upper bound of the bucket it falls in) of the observations between
-    two reads of one histogram."""
+    """Mean, p99 and maximum (the upper bounds of the buckets they fall in) of the observations
+    between two reads of one histogram."""
     n = after.get("count", 0.0) - before.get("count", 0.0)
     if n <= 0:
         return {}
-    p99 = float("inf")
-    for key in sorted((k for k in after if k.startswith("le=")), key=lambda k: float(k[3:])):
-        if after[key] - before.get(key, 0.0) >= 0.99 * n:
+    bounds = sorted((k for k in after if k.startswith("le=")), key=lambda k: float(k[3:]))
+    p99 = top = float("inf")
+    for key in bounds:
+        if after[key] - before.get(key, 0.0) >= 0.99 * n and p99 == float("inf"):
             p99 = float(key[3:])
+        if after[key] - before.get(key, 0.0) >= n:
+            top = float(key[3:])
             break
-    return {"n": n, "mean_s": (after["sum"] - before.get("sum", 0.0)) / n, "p99_le_s": p99}
+    mean = (after["sum"] - before.get("sum", 0.0)) / n
+    return {"n": n, "mean_s": mean, "p99_le_s": p99, "max_le_s": top}
 
 
 @dataclass

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import itertools
 import json
 
 import pytest
@@ -43,6 +45,32 @@ async def test_health_ready_metrics(svc: App) -> None:
     assert await svc.metric("routereplay_completion_tokens_total") == 6
     assert await svc.metric('routereplay_requests_total{endpoint="completions",status="200"}') == 2
     assert await svc.metric("routereplay_requests_inflight") == 0
+
+
+async def test_startup_heap_frozen_and_full_collections_timed(redis_url: str) -> None:
+    """While the app serves, what it loaded at start is out of the collector's walks (a full
+    collection there held every stream) and each collection is on /metrics by generation;
+    after it, the host process's heap is whole again."""
+    full = 'routereplay_gc_pause_seconds_count{generation="2"}'
+    async with running_app(redis_url) as svc:
+        assert gc.get_freeze_count() > 10_000
+        # Frozen objects still leave when their last reference goes: the count only falls.
+        assert await svc.metric("routereplay_gc_frozen_objects") >= gc.get_freeze_count()
+        before = await svc.metric(full)
+        assert before == 1  # the collection before the freeze
+        garbage = [[] for _ in range(1000)]
+        for a, b in itertools.pairwise(garbage):
+            a.append(b), b.append(a)  # cycles: only the collector frees them
+        del garbage
+        gc.collect()
+        assert await svc.metric(full) == before + 1
+        assert 0 < await svc.metric('routereplay_gc_pause_seconds_sum{generation="2"}') < 60
+        await svc.http.post("/v1/completions", json=BODY)
+        young = 'routereplay_gc_pause_seconds_count{generation="0"}'
+        gc.collect(0)
+        assert await svc.metric(young) >= 1
+    assert gc.get_freeze_count() == 0
+    assert all(cb.__qualname__ != "GcPauses._on_gc" for cb in gc.callbacks)
 
 
 async def test_engine_death_mid_stream_then_503(held_svc: App) -> None:
