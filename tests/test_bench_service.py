@@ -248,3 +248,30 @@ def test_py_spy_samples_every_process_of_the_server_group(tmp_path) -> None:
     parent = next(f for f in files if f.name.split("-")[3] == str(server.pid))
     inclusive = dict(pyspy.top_frames(parent, 5, leaf=False))
     assert any(f.startswith("<module>") for f in inclusive)
+
+
+def test_py_spy_seconds_samples_only_the_start_of_a_level(tmp_path) -> None:
+    """``--py-spy-seconds 1``: py-spy stops by itself after the level's first second and
+    writes its profile while the level goes on."""
+    import subprocess
+    import sys
+    import time
+
+    from routereplay.bench import pyspy
+
+    spin = subprocess.Popen([sys.executable, "-c", "while True: sum(range(1000))"])
+    try:
+        with pyspy.recording([spin.pid], tmp_path, "lvl", seconds=1) as files:
+            deadline = time.monotonic() + 60
+            while not _written(files[0]) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert files[0].stat().st_size > 0  # written before the block ends
+            samples = sum(int(ln.rsplit(" ", 1)[1]) for ln in files[0].read_text().splitlines())
+            assert 20 <= samples <= 150  # about one second at 100 Hz, not the whole block
+    finally:
+        spin.kill()
+        spin.wait()
+
+
+def _written(f) -> bool:
+    return f.exists() and f.stat().st_size > 0

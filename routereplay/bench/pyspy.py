@@ -37,8 +37,11 @@ def executable() -> str | None:
 
 
 @contextlib.contextmanager
-def recording(pids: list[int], out: Path, tag: str, rate: int = 100) -> Iterator[list[Path]]:
-    """Sample ``pids`` with py-spy until the block ends; yields the files being written,
+def recording(
+    pids: list[int], out: Path, tag: str, rate: int = 100, seconds: int | None = None
+) -> Iterator[list[Path]]:
+    """Sample ``pids`` with py-spy until the block ends, or for its first ``seconds`` only (a
+    level's time to first token); yields the files being written,
     ``out/{tag}-{pid}-{process name}.txt`` (a process that is not Python leaves none)."""
     exe = executable()
     if exe is None:
@@ -50,6 +53,7 @@ def recording(pids: list[int], out: Path, tag: str, rate: int = 100) -> Iterator
         files.append(out / f"{tag}-{pid}-{name}.txt")
         argv = [exe, "record", "--pid", str(pid), "--rate", str(rate), "--idle", "--threads",
                 "--nonblocking", "--format", "raw", "--output", str(files[-1])]  # fmt: skip
+        argv += [] if seconds is None else ["--duration", str(seconds)]
         log = open(files[-1].with_suffix(".log"), "wb")
         procs.append((subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT), log))
     time.sleep(0.5)  # py-spy attaches before the level's first request

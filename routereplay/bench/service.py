@@ -21,7 +21,8 @@ computed from the same tokens), and a sample with the engine's own prefill of th
 
 ``--py-spy DIR`` samples the server's processes with py-spy during each level
 (:mod:`.pyspy`) and prints each one's main-thread frames that hold the most samples: where
-an engine step's time goes.
+an engine step's time goes; ``--py-spy-seconds S`` samples only each level's first ``S``
+seconds, the window in which its first tokens are sent.
 
 Servers can run in separate invocations that share ``--results`` (a GPU host whose calls are
 short): each adds its rows, and the report covers every server found there.
@@ -176,7 +177,8 @@ class _Bench:
         if self.args.py_spy is None:
             yield
             return
-        with pyspy.recording(probe.group_pids(self.pid), self.args.py_spy, tag) as files:
+        pids, secs = probe.group_pids(self.pid), self.args.py_spy_seconds
+        with pyspy.recording(pids, self.args.py_spy, tag, seconds=secs) as files:
             yield
         for f in files:
             if f.exists():
@@ -335,6 +337,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--py-spy", type=Path, metavar="DIR",
                    help="sample the server's processes with py-spy during each level; raw "
                         "collapsed stacks go to DIR")  # fmt: skip
+    p.add_argument(
+        "--py-spy-seconds",
+        type=int,
+        metavar="S",
+        help="with --py-spy: only each level's first S seconds (its first tokens)",
+    )
     return p
 
 

@@ -73,6 +73,31 @@ async def test_startup_heap_frozen_and_full_collections_timed(redis_url: str) ->
     assert all(cb.__qualname__ != "GcPauses._on_gc" for cb in gc.callbacks)
 
 
+async def test_a_store_not_opened_from_a_url_is_refused_at_start(redis_url: str) -> None:
+    """Route workers open their own store from its address: a store built around a client,
+    which has none, is refused at start with one line, not found out route by route."""
+    import redis.asyncio as aioredis
+
+    from routereplay.client import AsyncRouteStore
+    from routereplay.service import Settings, create_app
+    from routereplay.service.engines.synthetic import SyntheticBackend
+    from routereplay.service.errors import StartupRefused
+
+    backend = SyntheticBackend(MODEL)
+    store = AsyncRouteStore(aioredis.Redis.from_url(redis_url), prefix="bare")
+    app = create_app(Settings(redis_url=redis_url, route_prefix="bare"), backend=backend,
+                     store=store)  # fmt: skip
+    await backend.start()
+    try:
+        with pytest.raises(StartupRefused, match="not opened from a URL"):
+            async with app.router.lifespan_context(app):
+                pass
+        assert "not opened from a URL" in app.state.refused
+    finally:
+        await store.close()
+        await backend.close()
+
+
 async def test_engine_death_mid_stream_then_503(held_svc: App) -> None:
     svc, engine = held_svc, held_svc.backend
     assert isinstance(engine, HeldEngine)

@@ -15,9 +15,9 @@
 #   .device/rr/routereplay-*.whl: this checkout as a wheel (`pip wheel --no-deps -w .device/rr .`).
 # LEVELS and SEQS override the concurrency levels and the sequences per level, STREAM (also, off,
 # only) the streamed pass; PYSPY=1 samples the server's processes with py-spy during each level
-# (`--py-spy`, the py-spy wheel carried in EXTRA). Logs, rows and profiles go to LOGS (default
-# $OUT, or /tmp/rr-serving); RESULTS replaces /tmp/rr-bench, for two runs at once on two GPUs
-# (CUDA_VISIBLE_DEVICES picks each one's).
+# (`--py-spy`, the py-spy wheel carried in EXTRA), PYSPY_SECONDS=S only its first S seconds.
+# Logs, rows and profiles go to LOGS (default $OUT, or /tmp/rr-serving); RESULTS replaces
+# /tmp/rr-bench, for two runs at once on two GPUs (CUDA_VISIBLE_DEVICES picks each one's).
 set -u -o pipefail
 EXTRA=${EXTRA:-/tmp/stage/extra}
 R=${RESULTS:-/tmp/rr-bench}
@@ -43,7 +43,8 @@ python3 -m routereplay.cli bench service --model $M --servers "${SERVERS:-floor,
   --dtype bfloat16 --max-model-len 4096 --gpu-memory-utilization 0.85 \
   --engine-args '{"load_format": "dummy"}' --group-size 8 --prompt-tokens 512-2048 \
   --max-tokens 256-1024 --concurrency "${LEVELS:-1,32,128,256}" --sequences "${SEQS:-2,32,128,256}" \
-  --stream "${STREAM:-also}" --results $R ${PYSPY:+--py-spy "$LOGS/pyspy"} 2>&1 | tee -a "$LOGS/bench-gpu.log"
+  --stream "${STREAM:-also}" --results $R ${PYSPY:+--py-spy "$LOGS/pyspy"} \
+  ${PYSPY_SECONDS:+--py-spy-seconds "$PYSPY_SECONDS"} 2>&1 | tee -a "$LOGS/bench-gpu.log"
 rc=$?
 cp $R/*.json "$LOGS/" 2>/dev/null
 tail -n 40 $R/*.log >"$LOGS/server-logs-tail.txt" 2>/dev/null
