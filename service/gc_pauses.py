@@ -13,6 +13,7 @@ collection so that a stall of this kind is visible as such.
 
 from __future__ import annotations
 
+import bisect
 import gc
 import logging
 import time
@@ -71,8 +72,7 @@ class GcPauses:
             return
         took = time.perf_counter() - self._t0
         gen = min(int(info.get("generation", 2)), 2)
-        i = next((j for j, b in enumerate(_BUCKETS) if took <= b), len(_BUCKETS))
-        self._counts[gen][i] += 1
+        self._counts[gen][bisect.bisect_left(_BUCKETS, took)] += 1  # the first bound >= took
         self._sums[gen] += took
 
     def describe(self) -> Iterable[Metric]:

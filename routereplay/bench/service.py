@@ -159,16 +159,20 @@ class _Bench:
     def startup_heap(self) -> str:
         """What the server froze at start, and the full collection before it: the walk each
         full collection would take without the freeze."""
-        full = probe.histogram(f"{self.base}/metrics", "routereplay_gc_pause_seconds",
-                               'generation="2"')  # fmt: skip
-        frozen = probe.gauge(f"{self.base}/metrics", "routereplay_gc_frozen_objects")
+        url = f"{self.base}/metrics"
+        page = probe.metrics_page(url)
+        full = probe.histogram(url, "routereplay_gc_pause_seconds", 'generation="2"', page)
+        frozen = probe.gauge(url, "routereplay_gc_frozen_objects", page)
         return (
             f"{self.server}: start-up heap of {frozen or 0:.0f} objects frozen; the full "
             f"collection before it took {full.get('sum', 0) * 1e3:.0f} ms"
         )
 
     def histograms(self) -> list[dict[str, float]]:
-        return [probe.histogram(f"{self.base}/metrics", name, sel) for _, name, sel in _STALLS]
+        """Each of :data:`_STALLS`, from one read of the server's /metrics."""
+        url = f"{self.base}/metrics"
+        page = probe.metrics_page(url)
+        return [probe.histogram(url, name, sel, page) for _, name, sel in _STALLS]
 
     @contextlib.contextmanager
     def profiled(self, tag: str) -> Iterator[None]:

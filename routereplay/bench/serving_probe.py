@@ -22,7 +22,7 @@ from .serving_load import Choice
 
 __all__ = ["RouteTally", "check_handles", "check_inline", "compare_rows", "gauge",
            "group_cpu_s", "group_pids", "histogram", "histogram_summary", "inline_array",
-           "max_gauge", "redis_counters"]  # fmt: skip
+           "max_gauge", "metrics_page", "redis_counters"]  # fmt: skip
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -99,31 +99,39 @@ def max_gauge(metrics_url: str, name: str, every_s: float = 0.25) -> Iterator[li
         loop.close()
 
 
-def gauge(metrics_url: str, name: str) -> float | None:
-    """A Prometheus gauge without labels read once; None if the endpoint does not export it."""
+def metrics_page(metrics_url: str) -> str:
+    """A Prometheus endpoint's text, read once; empty if it does not answer."""
     with contextlib.suppress(httpx.HTTPError):
-        for line in httpx.get(metrics_url, timeout=10).text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
+        return httpx.get(metrics_url, timeout=10).text
+    return ""
+
+
+def gauge(metrics_url: str, name: str, page: str | None = None) -> float | None:
+    """A Prometheus gauge without labels (from ``page`` when given, else read once); None if
+    the endpoint does not export it."""
+    for line in (metrics_page(metrics_url) if page is None else page).splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
     return None
 
 
-def histogram(metrics_url: str, name: str, labels: str = "") -> dict[str, float]:
-    """A Prometheus histogram read once: ``sum``, ``count`` and each bucket's cumulative count
-    keyed ``le=<bound>``; ``labels`` picks one series (``'generation="2"'``). Empty if the
-    endpoint does not export it."""
+def histogram(
+    metrics_url: str, name: str, labels: str = "", page: str | None = None
+) -> dict[str, float]:
+    """A Prometheus histogram (from ``page`` when given, else read once): ``sum``, ``count``
+    and each bucket's cumulative count keyed ``le=<bound>``; ``labels`` picks one series
+    (``'generation="2"'``). Empty if the endpoint does not export it."""
     sel = "{" + labels + "}" if labels else ""
     bucket = name + "_bucket{" + (labels + "," if labels else "") + 'le="'
     out: dict[str, float] = {}
-    with contextlib.suppress(httpx.HTTPError):
-        for line in httpx.get(metrics_url, timeout=10).text.splitlines():
-            if line.startswith(name + "_sum" + sel + " "):
-                out["sum"] = float(line.split()[1])
-            elif line.startswith(name + "_count" + sel + " "):
-                out["count"] = float(line.split()[1])
-            elif line.startswith(bucket):
-                le = line[len(bucket) :].split('"')[0]
-                out["le=" + le] = float(line.rsplit(" ", 1)[1])
+    for line in (metrics_page(metrics_url) if page is None else page).splitlines():
+        if line.startswith(name + "_sum" + sel + " "):
+            out["sum"] = float(line.split()[1])
+        elif line.startswith(name + "_count" + sel + " "):
+            out["count"] = float(line.split()[1])
+        elif line.startswith(bucket):
+            le = line[len(bucket) :].split('"')[0]
+            out["le=" + le] = float(line.rsplit(" ", 1)[1])
     return out
 
 
