@@ -143,9 +143,32 @@ def test_report_prints_ratios_to_the_floor_and_the_peer(tmp_path) -> None:
     args = {"model": "m", "group_size": 8, "prompt_tokens": "1", "max_tokens": "1", "dtype": "x"}
     text = service_report.report(tmp_path, args)
     lines = text.splitlines()
-    assert any(ln.split()[:5] == ["floor", "stream", "32", "0.990", "1.050"] for ln in lines)
-    assert any(ln.split()[:4] == ["peer", "json", "32", "1.250"] for ln in lines)
+    # tok/s and TTFT p50: the ratio of medians, then the worst run's; one run each here.
+    assert any(ln.split()[:7] == ["floor", "stream", "32", "0.990", "0.990", "1.050", "1.050"]
+               for ln in lines)  # fmt: skip
+    assert any(ln.split()[:5] == ["peer", "json", "32", "1.250", "1.250"] for ln in lines)
     assert any("32/32" in ln and ln.startswith("routereplay  json") for ln in lines)
+    assert not any(ln.startswith("medians") for ln in lines)  # one run: no spread to give
+
+
+def test_report_gives_medians_spread_and_the_worst_run(tmp_path) -> None:
+    floor = [_row("floor", "stream", 256, t, f) for t, f in ((1000, 0.5), (1100, 0.6), (900, 0.4))]
+    rr = [_row("routereplay", "stream", 256, t, f)
+          for t, f in ((980, 0.55), (1040, 0.9), (1010, 0.5))]  # fmt: skip
+    for i, r in enumerate(floor + rr):
+        r["run"] = i % 3 + 1
+    (tmp_path / "floor.json").write_text(json.dumps(floor))
+    (tmp_path / "routereplay.json").write_text(json.dumps(rr))
+    args = {"model": "m", "group_size": 8, "prompt_tokens": "1", "max_tokens": "1", "dtype": "x"}
+    lines = service_report.report(tmp_path, args).splitlines()
+    med = next(ln for ln in lines if ln.startswith("routereplay ") and "[" in ln)
+    assert med.split()[:7] == ["routereplay", "stream", "256", "3", "1010", "[980-1040]", "550"]
+    after = lines[next(i for i, ln in enumerate(lines) if ln.startswith("routereplay over")) :]
+    ratio = next(ln.split() for ln in after if ln.startswith("floor "))
+    # tok/s: 1010/1000 by median, the slowest run 980/1000; TTFT p50: 550/500, the worst 900/500.
+    assert ratio[3:7] == ["1.010", "0.980", "1.100", "1.800"]
+    assert [ln.split()[4] for ln in lines if ln.startswith("routereplay  stream")] == [
+        "1", "2", "3"]  # fmt: skip
 
 
 def test_histogram_summary_reads_the_observations_between_two_reads() -> None:

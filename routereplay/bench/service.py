@@ -24,6 +24,11 @@ computed from the same tokens), and a sample with the engine's own prefill of th
 an engine step's time goes; ``--py-spy-seconds S`` samples only each level's first ``S``
 seconds, the window in which its first tokens are sent.
 
+``--runs K`` starts each server once and passes over its levels K times, each run with its own
+seeded prompts (the same for every server, none served from an earlier run's prefix cache); the
+report gives each server's median and spread per level, and routereplay's ratios by median and by
+its worst run. With ``--runs``, ``--py-spy`` samples only the last run.
+
 Servers can run in separate invocations that share ``--results`` (a GPU host whose calls are
 short): each adds its rows, and the report covers every server found there.
 """
@@ -120,10 +125,12 @@ class _Bench:
         self.layers, self.top_k = args.layout
         self.peer_path = args.results / "peer-routes.npz"
 
-    def groups(self, conc: int, seqs: int, k: int) -> list:
+    def groups(self, conc: int, seqs: int, k: int, run: int) -> list:
+        # Each run its own prompts (the same for every server), so that no run is served from
+        # the prefix cache an earlier run filled.
         n = min(self.args.group_size, conc)
         return make_groups(max(1, seqs // n), n, self.args.prompt_tokens, self.args.max_tokens,
-                           self.args.vocab, seed=10 + k)  # fmt: skip
+                           self.args.vocab, seed=10 + k + 100 * (run - 1))  # fmt: skip
 
     def warm_up(self) -> None:
         """One burst at the largest concurrency with short completions, not measured: the
@@ -135,25 +142,25 @@ class _Bench:
                              self.args.vocab, seed=99)  # fmt: skip
         asyncio.run(run_level(self.base, "bench-model", groups, conc, False))
 
-    def level(self, mode: str, k: int, conc: int, seqs: int) -> dict[str, Any]:
-        groups = self.groups(conc, seqs, k)
+    def level(self, mode: str, k: int, conc: int, seqs: int, run: int) -> dict[str, Any]:
+        groups = self.groups(conc, seqs, k, run)
         cpu0 = probe.group_cpu_s(self.pid)
         red0 = probe.redis_counters(self.redis_url) if self.redis_url else None
         hist0 = self.histograms()
         with (
-            self.profiled(f"{self.server}-{mode}-c{conc}"),
+            self.profiled(f"{self.server}-{mode}-c{conc}", run),
             probe.max_gauge(f"{self.base}/metrics", "routereplay_route_writes_pending") as peak,
         ):
             lv = asyncio.run(run_level(self.base, "bench-model", groups, conc, mode == "stream"))
         cpu1 = probe.group_cpu_s(self.pid)
-        row = _timings(self.server, mode, lv, cpu0, cpu1)
+        row = {**_timings(self.server, mode, lv, cpu0, cpu1), "run": run}
         row["writes_pending_peak"] = peak[0] if self.redis_url else None
         if red0 is not None:
             red1 = probe.redis_counters(self.redis_url)
             row["redis"] = {k: red1[k] - red0[k] for k in red0}
             for (key, _, _), a, b in zip(_STALLS, hist0, self.histograms(), strict=True):
                 row[key] = probe.histogram_summary(a, b)
-        row.update(self.routes(mode, conc, lv))
+        row.update(self.routes(mode, conc, run, lv))
         return row
 
     def startup_heap(self) -> str:
@@ -175,10 +182,11 @@ class _Bench:
         return [probe.histogram(url, name, sel, page) for _, name, sel in _STALLS]
 
     @contextlib.contextmanager
-    def profiled(self, tag: str) -> Iterator[None]:
-        """With ``--py-spy DIR``: every server process sampled while the level runs, and each
-        one's main-thread frames with the most samples printed after it."""
-        if self.args.py_spy is None:
+    def profiled(self, tag: str, run: int) -> Iterator[None]:
+        """With ``--py-spy DIR``: every server process sampled while the level runs (in the
+        last of ``--runs``, so that the others run unsampled), and each one's main-thread frames
+        with the most samples printed after it."""
+        if self.args.py_spy is None or run != self.args.runs:
             yield
             return
         pids, secs = probe.group_pids(self.pid), self.args.py_spy_seconds
@@ -189,19 +197,22 @@ class _Bench:
                 top = ", ".join(f"{share:.0%} {frame}" for frame, share in pyspy.top_frames(f, 6))
                 print(f"py-spy {f.name}: {top}", flush=True)
 
-    def routes(self, mode: str, conc: int, lv: LevelLoad) -> dict[str, Any]:
+    def routes(self, mode: str, conc: int, run: int, lv: LevelLoad) -> dict[str, Any]:
         if self.server == "floor" or (self.server == "peer" and mode == "stream"):
             return {}  # vLLM's server returns no routes in a stream
         keep = {(c.group, c.index) for c in lv.choices[: self.args.compare]}
         if self.server == "peer":
             tally = probe.check_inline(lv.choices, self.layers, self.top_k)
-            _save_peer(self.peer_path, mode, conc, [c for c in lv.choices
-                                                    if (c.group, c.index) in keep])  # fmt: skip
+            _save_peer(
+                self.peer_path,
+                f"{mode}-{conc}-r{run}",
+                [c for c in lv.choices if (c.group, c.index) in keep],
+            )
             return {"routes": vars(tally)}
         tally, kept = probe.check_handles(lv.choices, self.redis_url, self.layers, self.top_k, keep)
         out: dict[str, Any] = {"routes": vars(tally)}
         if mode == "json":
-            out["vs_peer"] = _compare_peer(self.peer_path, mode, conc, kept)
+            out["vs_peer"] = _compare_peer(self.peer_path, f"{mode}-{conc}-r{run}", kept)
             out["vs_engine"] = asyncio.run(self.engine_ref(lv.choices, kept))
         return out
 
@@ -246,18 +257,18 @@ def _timings(server: str, mode: str, lv: LevelLoad, cpu0: tuple, cpu1: tuple) ->
             "first_error": lv.errors[0] if lv.errors else ""}  # fmt: skip
 
 
-def _save_peer(path: Path, mode: str, conc: int, choices: list[Choice]) -> None:
+def _save_peer(path: Path, level: str, choices: list[Choice]) -> None:
     import numpy as np
 
     old = dict(np.load(path)) if path.exists() else {}
     for c in choices:
-        key = f"{mode}-{conc}-{c.group}-{c.index}"
+        key = f"{level}-{c.group}-{c.index}"
         old[key + "-routes"] = probe.inline_array(c.route) if isinstance(c.route, str) else None
         old[key + "-tokens"] = np.asarray(c.prompt_ids + c.token_ids, dtype=np.int64)
     np.savez(path, **{k: v for k, v in old.items() if v is not None})
 
 
-def _compare_peer(path: Path, mode: str, conc: int, kept: dict) -> dict[str, int] | None:
+def _compare_peer(path: Path, level: str, kept: dict) -> dict[str, int] | None:
     import numpy as np
 
     if not path.exists():
@@ -265,7 +276,7 @@ def _compare_peer(path: Path, mode: str, conc: int, kept: dict) -> dict[str, int
     peer = np.load(path)
     same = cells = seqs = 0
     for (g, i), rec in kept.items():
-        key = f"{mode}-{conc}-{g}-{i}"
+        key = f"{level}-{g}-{i}"
         if key + "-routes" not in peer:
             continue
         a, b = probe.compare_rows(rec, peer[key + "-routes"], peer[key + "-tokens"].tolist(), 0)
@@ -273,10 +284,13 @@ def _compare_peer(path: Path, mode: str, conc: int, kept: dict) -> dict[str, int
     return {"sequences": seqs, "cells": cells, "equal": same}
 
 
-def _levels(args: argparse.Namespace, server: str) -> list[tuple[str, int, int, int]]:
+def _levels(args: argparse.Namespace) -> list[tuple[str, int, int, int, int]]:
+    """(mode, level index, concurrency, sequences, run) in the order they run: every run
+    passes over all the levels, rollouts before streamed."""
     modes = {"off": ["json"], "also": ["json", "stream"], "only": ["stream"]}[args.stream]
     pairs = list(enumerate(zip(args.concurrency, args.sequences, strict=True)))
-    return [(m, k, c, s) for m in modes for k, (c, s) in pairs]
+    runs = range(1, args.runs + 1)
+    return [(m, k, c, s, r) for r in runs for m in modes for k, (c, s) in pairs]
 
 
 def _run_server(server: str, args: argparse.Namespace, model: str, logs: Path) -> list[dict]:
@@ -298,8 +312,8 @@ def _run_server(server: str, args: argparse.Namespace, model: str, logs: Path) -
                 print(b.startup_heap(), flush=True)
             b.warm_up()
             rows = []
-            for mode, k, conc, seqs in _levels(args, server):
-                rows.append(b.level(mode, k, conc, seqs))
+            for mode, k, conc, seqs, run in _levels(args):
+                rows.append(b.level(mode, k, conc, seqs, run))
                 print(json.dumps(rows[-1]), flush=True)
             return rows
 
@@ -319,6 +333,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", default="64", help="a length or a span lo-hi")
     p.add_argument("--max-tokens", default="32", help="a length or a span lo-hi (ignore_eos)")
     p.add_argument("--stream", choices=["off", "also", "only"], default="also")
+    p.add_argument("--runs", type=int, default=1,
+                   help="passes over the levels per server start, each with its own prompts; "
+                        "the report gives each server's median and spread")  # fmt: skip
     p.add_argument("--vocab", type=int, help="prompt ids below this (default: the tokenizer's)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -355,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if len(args.concurrency) != len(args.sequences):
         p.error("--concurrency and --sequences need the same number of entries")
+    if args.runs < 1:
+        p.error("--runs needs at least 1")
     if args.py_spy is not None and pyspy.executable() is None:
         p.error("--py-spy needs the py-spy executable (pip install py-spy)")
     servers = args.servers.split(",")

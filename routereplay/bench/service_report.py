@@ -1,9 +1,11 @@
 """The printed report of ``routereplay bench service``: every server's rows in a results folder,
-then routereplay's ratios to the floor and to the peer, against the targets."""
+each server's median and spread over its runs, then routereplay's ratios to the floor and to the
+peer (of medians, and of its worst run to their median), against the targets."""
 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -55,12 +57,13 @@ def _store_wait(r: dict[str, Any]) -> str:
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:
-    out = ["server       mode   conc  seqs   tok/s  e2e p50/p99 ms  TTFT p50/p99 ms  "
+    out = ["server       mode   conc  seqs run   tok/s  e2e p50/p99 ms  TTFT p50/p99 ms  "
            "ITL p50/p99 ms  CPU us/tok api/all  routes ok  vs peer  vs engine  Redis"]  # fmt: skip
     for r in rows:
         out.append(
             f"{r['server']:12s} {r['mode']:6s} {r['concurrency']:4d} {r['sequences']:5d} "
-            f"{r['tok_s']:7.0f} {_ms(r['e2e_p50']):>7s}/{_ms(r['e2e_p99']):<7s} "
+            f"{r.get('run', 1):3d} {r['tok_s']:7.0f} "
+            f"{_ms(r['e2e_p50']):>7s}/{_ms(r['e2e_p99']):<7s} "
             f"{_ms(r['ttft_p50']):>8s}/{_ms(r['ttft_p99']):<8s} "
             f"{_ms(r['itl_p50']):>7s}/{_ms(r['itl_p99']):<7s} "
             f"{r['cpu_api_us_tok']:8.0f}/{r['cpu_all_us_tok']:<8.0f} {_routes(r):>10s} "
@@ -70,25 +73,69 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+# The figures summarised over a server's runs: (key, scale to print, worst is the largest).
+_FIGURES = (("tok_s", 1, False), ("ttft_p50", 1e3, True), ("ttft_p99", 1e3, True),
+            ("cpu_api_us_tok", 1, True))  # fmt: skip
+
+
+def _runs(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, list[float]]]:
+    """Each (server, mode, concurrency)'s figures, one value per run."""
+    by: dict[tuple, dict[str, list[float]]] = {}
+    for r in rows:
+        got = by.setdefault((r["server"], r["mode"], r["concurrency"]), {})
+        for key, _, _ in _FIGURES:
+            if r.get(key) is not None:
+                got.setdefault(key, []).append(r[key])
+    return by
+
+
+def _median(xs: list[float] | None) -> float | None:
+    return None if not xs else statistics.median(xs)
+
+
+def _spread(xs: list[float] | None, scale: float) -> str:
+    if not xs:
+        return "-"
+    mid = f"{statistics.median(xs) * scale:.0f}"
+    return mid if len(xs) == 1 else f"{mid} [{min(xs) * scale:.0f}-{max(xs) * scale:.0f}]"
+
+
+def _medians(by: dict[tuple, dict[str, list[float]]]) -> list[str]:
+    """Each server's median and [lowest-highest] over its runs, where any ran more than once."""
+    if all(len(v.get("tok_s", [])) < 2 for v in by.values()):
+        return []
+    out = ["", "medians [spread]   mode   conc runs  tok/s              TTFT p50 ms        "
+           "TTFT p99 ms        API CPU us/tok"]  # fmt: skip
+    for (srv, mode, conc), v in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+        cols = "".join(f"{_spread(v.get(k), sc):19s}" for k, sc, _ in _FIGURES)
+        out.append(f"{srv:18s} {mode:6s} {conc:4d} {len(v.get('tok_s', [])):4d}  {cols}")
+    return out
+
+
 def _ratio(a: float | None, b: float | None) -> str:
     return "-" if not a or not b else f"{a / b:.3f}"
 
 
-def _ratios(by: dict[tuple, dict[str, Any]]) -> list[str]:
-    out = ["", "routereplay over    mode   conc  tok/s    TTFT p50  ITL p50  e2e p50   (targets: "
-           "tok/s >= 0.97 floor and >= 1.0 peer; TTFT, ITL p50 <= 1.05 floor)"]  # fmt: skip
-    for (srv, mode, conc), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+def _against(ours: dict[str, list[float]], other: dict[str, list[float]]) -> str:
+    """Each figure's ratio of medians, and of routereplay's worst run to the other's median."""
+    cols = []
+    for key, _, worst_high in _FIGURES:
+        mine, theirs = ours.get(key), _median(other.get(key))
+        worst = (max if worst_high else min)(mine) if mine else None
+        cols.append(f"{_ratio(_median(mine), theirs):>7s} {_ratio(worst, theirs):>7s}")
+    return "   ".join(cols)
+
+
+def _ratios(by: dict[tuple, dict[str, list[float]]]) -> list[str]:
+    out = ["", "routereplay over   mode   conc  tok/s (median, worst run)  TTFT p50  "
+           "TTFT p99  API CPU   (targets: tok/s >= 1.0 peer and >= 0.98 floor; TTFT p50 <= "
+           "1.05 and p99 <= 1.2 floor; API CPU <= 1.5 peer)"]  # fmt: skip
+    for (srv, mode, conc), v in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
         if srv != "routereplay":
             continue
         for other in ("floor", "peer", *_VARIANTS):
-            o = by.get((other, mode, conc))
-            if o is None:
-                continue
-            ttft, itl = _ratio(r["ttft_p50"], o["ttft_p50"]), _ratio(r["itl_p50"], o["itl_p50"])
-            out.append(
-                f"{other:18s} {mode:6s} {conc:4d}  {_ratio(r['tok_s'], o['tok_s']):>7s}  "
-                f"{ttft:>8s}  {itl:>7s}  {_ratio(r['e2e_p50'], o['e2e_p50']):>7s}"
-            )
+            if (o := by.get((other, mode, conc))) is not None:
+                out.append(f"{other:18s} {mode:6s} {conc:4d}  {_against(v, o)}")
     return out
 
 
@@ -99,7 +146,7 @@ def report(results: Path, args: dict[str, Any]) -> str:
         f = results / f"{s}.json"
         if f.exists():
             rows += json.loads(f.read_text())
-    by = {(r["server"], r["mode"], r["concurrency"]): r for r in rows}
+    by = _runs(rows)
     head = (f"model {args['model'] or 'tiny'}; groups of {args['group_size']}, prompts "
             f"{args['prompt_tokens']} tokens, completions {args['max_tokens']} tokens "
             f"(ignore_eos), {args['dtype']}, the same seeds for every server")  # fmt: skip
@@ -109,4 +156,4 @@ def report(results: Path, args: dict[str, Any]) -> str:
              "with the same experts as the peer's inline routes for the same seeded request / "
              "the engine's own prefill of the stored tokens, over rows computed from the same "
              "tokens"]  # fmt: skip
-    return "\n".join([head, *_table(rows), *_ratios(by), *notes])
+    return "\n".join([head, *_table(rows), *_medians(by), *_ratios(by), *notes])

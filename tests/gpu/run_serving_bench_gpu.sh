@@ -12,10 +12,13 @@
 # ../shared/gpu/README.md is in /tmp/site. Carried beside it:
 #   EXTRA (default /tmp/stage/extra): the service's wheels (zstandard, redis, hiredis,
 #     pydantic-settings, python-dotenv) and redis/ (tests/gpu/carry_redis.sh);
-#   .device/rr/routereplay-*.whl: this checkout as a wheel (`pip wheel --no-deps -w .device/rr .`).
+#   .device/rr/routereplay-*.whl: this checkout as a wheel (`pip wheel --no-deps -w .device/rr .`),
+#     and .device/rr/COMMIT the commit it was built from (`git rev-parse --short HEAD`), which
+#     the log's header lines name.
 # LEVELS and SEQS override the concurrency levels and the sequences per level, STREAM (also, off,
-# only) the streamed pass; PYSPY=1 samples the server's processes with py-spy during each level
-# (`--py-spy`, the py-spy wheel carried in EXTRA), PYSPY_SECONDS=S only its first S seconds.
+# only) the streamed pass, RUNS the passes over the levels per server start (`--runs`); PYSPY=1 samples the server's processes with py-spy during each level
+# (`--py-spy`, the py-spy wheel carried in EXTRA; with RUNS, the last run only), PYSPY_SECONDS=S
+# only its first S seconds.
 # Logs, rows and profiles go to LOGS (default $OUT, or /tmp/rr-serving); RESULTS replaces
 # /tmp/rr-bench, for two runs at once on two GPUs (CUDA_VISIBLE_DEVICES picks each one's).
 set -u -o pipefail
@@ -38,12 +41,13 @@ if [ ! -e $R/installed ]; then
 fi
 cd /tmp  # not the checkout: its routereplay/ folder would shadow the installed package
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
-  "$(nproc) CPUs, commit $(git -C "$REPO" rev-parse --short HEAD)" | tee -a "$LOGS/bench-gpu.log"
+  "$(nproc) CPUs, wheel of $(cat "$REPO/.device/rr/COMMIT" 2>/dev/null || echo unnamed)" \
+  | tee -a "$LOGS/bench-gpu.log"
 python3 -m routereplay.cli bench service --model $M --servers "${SERVERS:-floor,peer,routereplay}" \
   --dtype bfloat16 --max-model-len 4096 --gpu-memory-utilization 0.85 \
   --engine-args '{"load_format": "dummy"}' --group-size 8 --prompt-tokens 512-2048 \
   --max-tokens 256-1024 --concurrency "${LEVELS:-1,32,128,256}" --sequences "${SEQS:-2,32,128,256}" \
-  --stream "${STREAM:-also}" --results $R ${PYSPY:+--py-spy "$LOGS/pyspy"} \
+  --stream "${STREAM:-also}" --runs "${RUNS:-1}" --results $R ${PYSPY:+--py-spy "$LOGS/pyspy"} \
   ${PYSPY_SECONDS:+--py-spy-seconds "$PYSPY_SECONDS"} 2>&1 | tee -a "$LOGS/bench-gpu.log"
 rc=$?
 cp $R/*.json "$LOGS/" 2>/dev/null
