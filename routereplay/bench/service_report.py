@@ -1,6 +1,7 @@
 """The printed report of ``routereplay bench service``: every server's rows in a results folder,
 each server's median and spread over its runs, then routereplay's ratios to the floor and to the
-peer (of medians, and of its worst run to their median), against the targets."""
+peer within each run (the same prompts for every server): their median and the worst run's,
+against the targets."""
 
 from __future__ import annotations
 
@@ -78,55 +79,53 @@ _FIGURES = (("tok_s", 1, False), ("ttft_p50", 1e3, True), ("ttft_p99", 1e3, True
             ("cpu_api_us_tok", 1, True))  # fmt: skip
 
 
-def _runs(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, list[float]]]:
-    """Each (server, mode, concurrency)'s figures, one value per run."""
-    by: dict[tuple, dict[str, list[float]]] = {}
+def _runs(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, dict[int, float]]]:
+    """Each (server, mode, concurrency)'s figures, by run."""
+    by: dict[tuple, dict[str, dict[int, float]]] = {}
     for r in rows:
         got = by.setdefault((r["server"], r["mode"], r["concurrency"]), {})
         for key, _, _ in _FIGURES:
             if r.get(key) is not None:
-                got.setdefault(key, []).append(r[key])
+                got.setdefault(key, {})[r.get("run", 1)] = r[key]
     return by
 
 
-def _median(xs: list[float] | None) -> float | None:
-    return None if not xs else statistics.median(xs)
-
-
-def _spread(xs: list[float] | None, scale: float) -> str:
-    if not xs:
+def _spread(by_run: dict[int, float] | None, scale: float) -> str:
+    if not by_run:
         return "-"
+    xs = list(by_run.values())
     mid = f"{statistics.median(xs) * scale:.0f}"
     return mid if len(xs) == 1 else f"{mid} [{min(xs) * scale:.0f}-{max(xs) * scale:.0f}]"
 
 
-def _medians(by: dict[tuple, dict[str, list[float]]]) -> list[str]:
+def _medians(by: dict[tuple, dict[str, dict[int, float]]]) -> list[str]:
     """Each server's median and [lowest-highest] over its runs, where any ran more than once."""
-    if all(len(v.get("tok_s", [])) < 2 for v in by.values()):
+    if all(len(v.get("tok_s", {})) < 2 for v in by.values()):
         return []
     out = ["", "medians [spread]   mode   conc runs  tok/s              TTFT p50 ms        "
            "TTFT p99 ms        API CPU us/tok"]  # fmt: skip
     for (srv, mode, conc), v in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
         cols = "".join(f"{_spread(v.get(k), sc):19s}" for k, sc, _ in _FIGURES)
-        out.append(f"{srv:18s} {mode:6s} {conc:4d} {len(v.get('tok_s', [])):4d}  {cols}")
+        out.append(f"{srv:18s} {mode:6s} {conc:4d} {len(v.get('tok_s', {})):4d}  {cols}")
     return out
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    return "-" if not a or not b else f"{a / b:.3f}"
-
-
-def _against(ours: dict[str, list[float]], other: dict[str, list[float]]) -> str:
-    """Each figure's ratio of medians, and of routereplay's worst run to the other's median."""
+def _against(ours: dict[str, dict[int, float]], other: dict[str, dict[int, float]]) -> str:
+    """Each figure's ratio within each run (the same prompts for both servers): the median over
+    the runs both made, and the worst run's."""
     cols = []
     for key, _, worst_high in _FIGURES:
-        mine, theirs = ours.get(key), _median(other.get(key))
-        worst = (max if worst_high else min)(mine) if mine else None
-        cols.append(f"{_ratio(_median(mine), theirs):>7s} {_ratio(worst, theirs):>7s}")
+        mine, theirs = ours.get(key, {}), other.get(key, {})
+        per_run = [mine[r] / theirs[r] for r in mine.keys() & theirs.keys() if theirs[r]]
+        if not per_run:
+            cols.append(f"{'-':>7s} {'-':>7s}")
+            continue
+        worst = (max if worst_high else min)(per_run)
+        cols.append(f"{statistics.median(per_run):7.3f} {worst:7.3f}")
     return "   ".join(cols)
 
 
-def _ratios(by: dict[tuple, dict[str, list[float]]]) -> list[str]:
+def _ratios(by: dict[tuple, dict[str, dict[int, float]]]) -> list[str]:
     out = ["", "routereplay over   mode   conc  tok/s (median, worst run)  TTFT p50  "
            "TTFT p99  API CPU   (targets: tok/s >= 1.0 peer and >= 0.98 floor; TTFT p50 <= "
            "1.05 and p99 <= 1.2 floor; API CPU <= 1.5 peer)"]  # fmt: skip
