@@ -32,7 +32,8 @@ from .engine import EngineBackend
 from .errors import StartupRefused, install_error_handlers, redact
 from .gc_pauses import freeze_startup_heap
 from .http_limits import BodySizeLimit
-from .metrics import ServiceMetrics
+from .loop_stalls import StallWatch
+from .metrics import LOOP_LAG_INTERVAL_S, ServiceMetrics
 from .model_info import ModelInfo
 from .route_workers import RouteWorkers
 from .routers import ROUTERS
@@ -264,8 +265,7 @@ def create_app(
             # FastAPI runs sync dependencies through anyio, whose asyncio backend imports on first
             # use: done here, not as a stall of the first request's event loop.
             await anyio.to_thread.run_sync(lambda: None)
-            lag = asyncio.create_task(metrics.watch_loop_lag())
-            stack.callback(lag.cancel)
+            _watch_loop(settings, metrics, stack)
             _freeze_heap(metrics, stack)
             watcher = None
             if on_fatal is not None:
@@ -300,6 +300,21 @@ def create_app(
     for router in ROUTERS:
         app.include_router(router)
     return app
+
+
+def _watch_loop(
+    settings: Settings, metrics: ServiceMetrics, stack: contextlib.AsyncExitStack
+) -> None:
+    """The loop's lag on /metrics, and each stall's stack logged (:mod:`.loop_stalls`)."""
+    watch = None
+    if settings.loop_stall_log_ms > 0:
+        watch = StallWatch(
+            settings.loop_stall_log_ms / 1e3, LOOP_LAG_INTERVAL_S, metrics.loop_stalls
+        )
+        watch.start()
+        stack.callback(watch.stop)
+    lag = asyncio.create_task(metrics.watch_loop_lag(watch.beat if watch is not None else None))
+    stack.callback(lag.cancel)
 
 
 def _freeze_heap(metrics: ServiceMetrics, stack: contextlib.AsyncExitStack) -> None:

@@ -101,6 +101,7 @@ class RouteCapture:
             log.warning("storing route %s refused: %s", route_id, handle.error)
             return handle
         self.pending += 1
+        self.metrics.write_backlog.observe(self.pending)
         t0 = time.perf_counter()
         try:
             return await self._store(store, route_id, fin, prompt_token_ids, request_id, handle)

@@ -21,6 +21,7 @@ LOOP_LAG_INTERVAL_S = 0.05
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 _STORE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_BACKLOG_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 4096)
 
 
 class ServiceMetrics:
@@ -72,6 +73,13 @@ class ServiceMetrics:
         self.pending_writes = Gauge(
             "routereplay_route_writes_pending", "route records waiting to be stored", registry=r
         )
+        # The gauge is a moment; this keeps every backlog a record met, so a reader of two
+        # scrapes learns the largest one between them without polling the gauge.
+        self.write_backlog = Histogram(
+            "routereplay_route_write_backlog",
+            "route records pending, this one included, as each record's store starts",
+            buckets=_BACKLOG_BUCKETS, registry=r,
+        )  # fmt: skip
         self.rl_ops = Counter(
             "routereplay_rl_operations", "RL control calls by operation and outcome",
             ["op", "status"], registry=r,
@@ -90,6 +98,12 @@ class ServiceMetrics:
             f"{LOOP_LAG_INTERVAL_S}s: a stall delays every stream, probe and lease renewal",
             buckets=_LAG_BUCKETS, registry=r,
         )  # fmt: skip
+        self.loop_stalls = Counter(
+            "routereplay_event_loop_stalls",
+            "event-loop stalls of at least --loop-stall-log-ms, each logged with the stack of "
+            "the loop's thread",
+            registry=r,
+        )
         self.gc_pauses = GcPauses()  # started by the app's lifespan
         r.register(self.gc_pauses)
         self.gc_frozen = Gauge(
@@ -99,12 +113,15 @@ class ServiceMetrics:
         )
         self._engine: Collector | None = None
 
-    async def watch_loop_lag(self) -> None:
-        """Observe the event loop's lag until cancelled (a task of the app's lifespan)."""
+    async def watch_loop_lag(self, beat: Callable[[], None] | None = None) -> None:
+        """Observe the event loop's lag until cancelled (a task of the app's lifespan), calling
+        ``beat`` each time the timer fires (:mod:`.loop_stalls`)."""
         loop = asyncio.get_running_loop()
         while True:
             due = loop.time() + LOOP_LAG_INTERVAL_S
             await asyncio.sleep(LOOP_LAG_INTERVAL_S)
+            if beat is not None:
+                beat()
             self.loop_lag.observe(max(0.0, loop.time() - due))
 
     def bind_queue_depth(self, fn: Callable[[], float]) -> None:

@@ -226,6 +226,12 @@ class Settings(BaseSettings):
         "process's GIL (default: a quarter of the CPUs, 1 to 4); 0: threads of the serving "
         "process",
     )
+    loop_stall_log_ms: float = Field(
+        100.0,
+        ge=0,
+        description="log the event loop thread's stack once per stall of at least this long "
+        "(ms); 0: off",
+    )
     routing_stats_window_s: float = Field(
         60.0,
         ge=0,

@@ -119,6 +119,7 @@ def test_vllm_flags_from_the_shared_engine_settings() -> None:
     assert "--enforce-eager" not in argv and "--enable-prefix-caching" in argv
     assert argv[argv.index("--load-format") + 1] == "dummy"
     assert "--enable-return-routed-experts" not in service._vllm_argv(cfg, "/m", 8000, False)
+    assert "--disable-log-stats" not in argv  # vLLM's stats logged, as routereplay's engine does
     rr = service._rr_argv({**cfg, "max_model_len": 4096, "seed": 0,
                            "gpu_memory_utilization": 0.8}, "/m", 1, "redis://x")  # fmt: skip
     rest = json.loads(rr[rr.index("--engine-args") + 1])
@@ -184,6 +185,27 @@ def test_histogram_summary_reads_the_observations_between_two_reads() -> None:
     assert histogram_summary(after, after) == {}
     later = {**after, "sum": 3.5, "count": 120, "le=0.01": 70, "le=0.1": 119, "le=+Inf": 120}
     assert histogram_summary(after, later)["max_le_s"] == 0.01  # all ten new ones
+
+
+def test_histogram_total_sums_every_series_and_only_its_own() -> None:
+    from routereplay.bench.serving_probe import histogram_total
+
+    page = """vllm:ttft_seconds_sum{engine="0",model_name="m"} 1.5
+vllm:ttft_seconds_count{engine="0",model_name="m"} 3.0
+vllm:ttft_seconds_sum{engine="1",model_name="m"} 0.5
+vllm:ttft_seconds_count{engine="1",model_name="m"} 1.0
+vllm:ttft_seconds_bucket{engine="0",le="+Inf",model_name="m"} 3.0
+vllm:ttft_seconds_sum_extra 99.0
+vllm:ttft_seconds_created{engine="0",model_name="m"} 1.7e9
+"""
+    assert histogram_total("vllm:ttft_seconds", page) == {"sum": 2.0, "count": 4.0}
+    assert histogram_total("vllm:absent", page) == {"sum": 0.0, "count": 0.0}
+    before = "vllm:ttft_seconds_sum 0.5\nvllm:ttft_seconds_count 1\n"
+    assert service._engine_means(before, page)["engine_ttft_mean"] is None  # another name
+    means = service._engine_means(page.replace("ttft_seconds", "time_to_first_token_seconds"),
+                                  page.replace("ttft_seconds", "time_to_first_token_seconds")
+                                  .replace("1.5", "3.5").replace("3.0", "5.0"))  # fmt: skip
+    assert means["engine_ttft_mean"] == 1.0  # 2 s more over 2 more requests
 
 
 def test_histogram_and_gauge_read_one_series_of_a_metrics_page() -> None:

@@ -13,8 +13,9 @@ The load is GRPO groups (:mod:`.serving_load`) at each concurrency level: first 
 returns no routes in a stream, so the peer's streamed pass times its engine-side capture and
 checks no routes). Per level:
 output tokens/s, end-to-end latency, TTFT, ITL, the server's CPU per generated token (the API
-process, and with its engine processes), and for routereplay its Redis traffic, the peak of
-``routereplay_route_writes_pending``, and every route read back and checked
+process, and with its engine processes), vLLM's own means of its requests' time to the first
+token, in its queue and in prefill (every server logs vLLM's stats), and for routereplay its
+Redis traffic, the largest write backlog, and every route read back and checked
 (:mod:`.serving_probe`). Where the peer ran in the same results folder, routereplay's records are
 compared row by row with the peer's inline routes for the same seeded requests (the rows both
 computed from the same tokens), and a sample with the engine's own prefill of the stored tokens.
@@ -61,7 +62,14 @@ _STORE_SECONDS = "routereplay_route_store_seconds"
 # Read before and after each level of routereplay's servers: (row key, histogram, series).
 _STALLS = (("store_wait", _STORE_SECONDS, ""),
            ("loop_lag", "routereplay_event_loop_lag_seconds", ""),
-           ("gc_full", "routereplay_gc_pause_seconds", 'generation="2"'))  # fmt: skip
+           ("gc_full", "routereplay_gc_pause_seconds", 'generation="2"'),
+           # Every backlog a record met: the level's largest is the top bucket it reached.
+           ("write_backlog", "routereplay_route_write_backlog", ""))  # fmt: skip
+# vLLM's own per-request timings, read from every server (each logs vLLM's stats): from the
+# engine's arrival of a request to its first token, in its queue, and in its prefill.
+_ENGINE = (("engine_ttft_mean", "vllm:time_to_first_token_seconds"),
+           ("engine_queue_mean", "vllm:request_queue_time_seconds"),
+           ("engine_prefill_mean", "vllm:request_prefill_time_seconds"))  # fmt: skip
 # Also on request, routereplay with one setting changed: its expert-load telemetry off (what
 # that telemetry costs), its routes stored in threads of the serving process (what the route
 # worker processes take off its GIL), every route stored with its routing weights (what they
@@ -87,9 +95,11 @@ def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _vllm_argv(cfg: dict[str, Any], model: str, port: int, peer: bool) -> list[str]:
+    # vLLM's stat logging stays on, as ``vllm serve`` runs by default and as routereplay's
+    # engine runs (its /metrics serves vLLM's metrics): every server pays for it.
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--served-model-name", "bench-model", "--host", "127.0.0.1", "--port", str(port),
-            "--disable-uvicorn-access-log", "--disable-log-stats"]  # fmt: skip
+            "--disable-uvicorn-access-log"]  # fmt: skip
     if peer:
         argv.append("--enable-return-routed-experts")
     for k, v in cfg.items():
@@ -144,22 +154,25 @@ class _Bench:
 
     def level(self, mode: str, k: int, conc: int, seqs: int, run: int) -> dict[str, Any]:
         groups = self.groups(conc, seqs, k, run)
+        url = f"{self.base}/metrics"
         cpu0 = probe.group_cpu_s(self.pid)
         red0 = probe.redis_counters(self.redis_url) if self.redis_url else None
-        hist0 = self.histograms()
-        with (
-            self.profiled(f"{self.server}-{mode}-c{conc}", run),
-            probe.max_gauge(f"{self.base}/metrics", "routereplay_route_writes_pending") as peak,
-        ):
+        page0 = probe.metrics_page(url)
+        with self.profiled(f"{self.server}-{mode}-c{conc}", run):
             lv = asyncio.run(run_level(self.base, "bench-model", groups, conc, mode == "stream"))
         cpu1 = probe.group_cpu_s(self.pid)
+        page1 = probe.metrics_page(url)
         row = {**_timings(self.server, mode, lv, cpu0, cpu1), "run": run}
-        row["writes_pending_peak"] = peak[0] if self.redis_url else None
+        row.update(_engine_means(page0, page1))
+        row["writes_pending_peak"] = None
         if red0 is not None:
             red1 = probe.redis_counters(self.redis_url)
             row["redis"] = {k: red1[k] - red0[k] for k in red0}
-            for (key, _, _), a, b in zip(_STALLS, hist0, self.histograms(), strict=True):
+            for key, name, sel in _STALLS:
+                a, b = (probe.histogram(url, name, sel, page) for page in (page0, page1))
                 row[key] = probe.histogram_summary(a, b)
+            backlog = row.pop("write_backlog")
+            row["writes_pending_peak"] = backlog["max_le_s"] if backlog else 0.0
         row.update(self.routes(mode, conc, run, lv))
         return row
 
@@ -174,12 +187,6 @@ class _Bench:
             f"{self.server}: start-up heap of {frozen or 0:.0f} objects frozen; the full "
             f"collection before it took {full.get('sum', 0) * 1e3:.0f} ms"
         )
-
-    def histograms(self) -> list[dict[str, float]]:
-        """Each of :data:`_STALLS`, from one read of the server's /metrics."""
-        url = f"{self.base}/metrics"
-        page = probe.metrics_page(url)
-        return [probe.histogram(url, name, sel, page) for _, name, sel in _STALLS]
 
     @contextlib.contextmanager
     def profiled(self, tag: str, run: int) -> Iterator[None]:
@@ -236,6 +243,17 @@ class _Bench:
                                           ref.token_ids.tolist(), int(cached))  # fmt: skip
                 same, cells = same + a, cells + b
         return {"sequences": len(picked), "cells": cells, "equal": same}
+
+
+def _engine_means(page0: str, page1: str) -> dict[str, float | None]:
+    """The mean of each of :data:`_ENGINE` over the engine requests of a level (an ``n``-choice
+    request is ``n`` of them), in seconds; None where the server exports no such histogram."""
+    out: dict[str, float | None] = {}
+    for key, name in _ENGINE:
+        a, b = (probe.histogram_total(name, page) for page in (page0, page1))
+        n = b["count"] - a["count"]
+        out[key] = (b["sum"] - a["sum"]) / n if n > 0 else None
+    return out
 
 
 def _timings(server: str, mode: str, lv: LevelLoad, cpu0: tuple, cpu1: tuple) -> dict[str, Any]:

@@ -1,14 +1,12 @@
 """What ``routereplay bench service`` measures beside the client's timings: the server's CPU,
-its Redis traffic, its pending route writes, and whether every route is there and right."""
+its Redis traffic, its /metrics histograms, and whether every route is there and right."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import io
 import os
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -21,8 +19,8 @@ from .loadtest import SentRoute, check_route
 from .serving_load import Choice
 
 __all__ = ["RouteTally", "check_handles", "check_inline", "compare_rows", "gauge",
-           "group_cpu_s", "group_pids", "histogram", "histogram_summary", "inline_array",
-           "max_gauge", "metrics_page", "redis_counters"]  # fmt: skip
+           "group_cpu_s", "group_pids", "histogram", "histogram_summary", "histogram_total",
+           "inline_array", "metrics_page", "redis_counters"]  # fmt: skip
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -71,34 +69,6 @@ def redis_counters(url: str) -> dict[str, float]:
     return out
 
 
-@contextlib.contextmanager
-def max_gauge(metrics_url: str, name: str, every_s: float = 0.25) -> Iterator[list[float]]:
-    """Sample gauge ``name`` from a Prometheus endpoint while the block runs; yields a list
-    whose one element is the largest value seen (-1 if never read)."""
-    peak = [-1.0]
-
-    async def poll(stop: asyncio.Event) -> None:
-        async with httpx.AsyncClient(timeout=5) as c:
-            while not stop.is_set():
-                with contextlib.suppress(httpx.HTTPError, ValueError):
-                    for line in (await c.get(metrics_url)).text.splitlines():
-                        if line.startswith(name + " ") or line.startswith(name + "{"):
-                            peak[0] = max(peak[0], float(line.rsplit(" ", 1)[1]))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), every_s)
-
-    loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
-    t = threading.Thread(target=lambda: loop.run_until_complete(poll(stop)), daemon=True)
-    t.start()
-    try:
-        yield peak
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        t.join(10)
-        loop.close()
-
-
 def metrics_page(metrics_url: str) -> str:
     """A Prometheus endpoint's text, read once; empty if it does not answer."""
     with contextlib.suppress(httpx.HTTPError):
@@ -132,6 +102,18 @@ def histogram(
         elif line.startswith(bucket):
             le = line[len(bucket) :].split('"')[0]
             out["le=" + le] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def histogram_total(name: str, page: str) -> dict[str, float]:
+    """``sum`` and ``count`` of a histogram over all of its series (vLLM labels its own by
+    model and engine) in a /metrics page; 0 where the page has none."""
+    out = {"sum": 0.0, "count": 0.0}
+    for line in page.splitlines():
+        for key in out:
+            head = f"{name}_{key}"
+            if line.startswith(head) and line[len(head) : len(head) + 1] in ("{", " "):
+                out[key] += float(line.rsplit(" ", 1)[1])
     return out
 
 

@@ -208,3 +208,8 @@ async def test_pending_writes_are_bounded(server: Redis) -> None:
         # Two writes waited out the pause and were stored; the rest failed fast.
         assert len(backlog) == 4 and sum(h["status"] == "stored" for h in handles) == 2
         assert await svc.metric("routereplay_route_writes_pending") == 0
+        # The two that were stored met a backlog of one, then of two (themselves included); the
+        # refused ones never joined it.
+        assert await svc.metric("routereplay_route_write_backlog_count") == 2
+        assert await svc.metric('routereplay_route_write_backlog_bucket{le="1.0"}') == 1
+        assert await svc.metric('routereplay_route_write_backlog_bucket{le="2.0"}') == 2
