@@ -265,8 +265,9 @@ def create_app(
             # FastAPI runs sync dependencies through anyio, whose asyncio backend imports on first
             # use: done here, not as a stall of the first request's event loop.
             await anyio.to_thread.run_sync(lambda: None)
-            _watch_loop(settings, metrics, stack)
             _freeze_heap(metrics, stack)
+            # After the start-up collection, so the lag and the stalls are the serving loop's.
+            _watch_loop(settings, metrics, stack)
             watcher = None
             if on_fatal is not None:
                 watcher = asyncio.create_task(

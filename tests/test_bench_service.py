@@ -127,6 +127,32 @@ def test_vllm_flags_from_the_shared_engine_settings() -> None:
     assert "--no-enforce-eager" in rr
 
 
+def test_vllms_own_server_parses_the_peers_flags() -> None:
+    """What the bench passes ``vllm serve``'s entry point is flags of the installed vLLM: its
+    stats logged, every kernel compile logged, the routes returned."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cfg = {"dtype": "float32", "max_model_len": 512, "seed": 0, "gpu_memory_utilization": 0.5,
+           "max_num_seqs": 8, "enforce_eager": True, "enable_prefix_caching": True,
+           **service._jit_log()}  # fmt: skip
+    argv = service._vllm_argv(cfg, "/m", 8000, peer=True)
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[3:])
+    assert parsed.jit_monitor_verbose and not parsed.disable_log_stats
+    assert parsed.enable_return_routed_experts and parsed.max_num_seqs == 8
+
+
+def test_log_count_reads_only_what_a_level_appended(tmp_path) -> None:
+    log = tmp_path / "server.log"
+    log.write_bytes(b"JIT compilation during inference: a\nother\n")
+    start = log.stat().st_size
+    with open(log, "ab") as f:
+        f.write(b"x JIT compilation during inference: b\nnone\nJIT compilation during inference\n")
+    assert service._log_count(log, start, service._JIT_LINE) == 2
+    assert service._log_count(log, 0, service._JIT_LINE) == 3
+
+
 def _row(server: str, mode: str, conc: int, tok_s: float, ttft: float | None) -> dict:
     return {"server": server, "mode": mode, "concurrency": conc, "sequences": conc,
             "wall_s": 10.0, "tok_s": tok_s, "e2e_p50": 1.0, "e2e_p99": 2.0, "ttft_p50": ttft,

@@ -65,6 +65,11 @@ _STALLS = (("store_wait", _STORE_SECONDS, ""),
            ("gc_full", "routereplay_gc_pause_seconds", 'generation="2"'),
            # Every backlog a record met: the level's largest is the top bucket it reached.
            ("write_backlog", "routereplay_route_write_backlog", ""))  # fmt: skip
+# Stalls of the server's event loop, each logged with its stack (--loop-stall-log-ms).
+_STALLS_TOTAL = "routereplay_event_loop_stalls_total"
+# What vLLM logs for each kernel its engine compiles while serving (every one with
+# jit_monitor_verbose, which the engine settings turn on where the installed vLLM has it).
+_JIT_LINE = b"JIT compilation during inference"
 # vLLM's own per-request timings, read from every server (each logs vLLM's stats): from the
 # engine's arrival of a request to its first token, in its queue, and in its prefill.
 _ENGINE = (("engine_ttft_mean", "vllm:time_to_first_token_seconds"),
@@ -91,7 +96,19 @@ def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
             "gpu_memory_utilization": args.gpu_memory_utilization,
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "enforce_eager": eager,
-            "enable_prefix_caching": True, **json.loads(args.engine_args or "{}")}  # fmt: skip
+            "enable_prefix_caching": True, **_jit_log(),
+            **json.loads(args.engine_args or "{}")}  # fmt: skip
+
+
+def _jit_log() -> dict[str, bool]:
+    """Every kernel compile the engine logs, not only the first (each row counts them): where
+    the installed vLLM has the setting."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    return {"jit_monitor_verbose": True} if "jit_monitor_verbose" in known else {}
 
 
 def _vllm_argv(cfg: dict[str, Any], model: str, port: int, peer: bool) -> list[str]:
@@ -129,9 +146,9 @@ class _Bench:
     """One server's run: its levels, measured and checked."""
 
     def __init__(self, server: str, args: argparse.Namespace, model: str, proc_pid: int,
-                 base: str, redis_url: str | None) -> None:  # fmt: skip
+                 base: str, redis_url: str | None, log: Path) -> None:  # fmt: skip
         self.server, self.args, self.model, self.pid = server, args, model, proc_pid
-        self.base, self.redis_url = base, redis_url
+        self.base, self.redis_url, self.log = base, redis_url, log
         self.layers, self.top_k = args.layout
         self.peer_path = args.results / "peer-routes.npz"
 
@@ -143,14 +160,14 @@ class _Bench:
                            self.args.vocab, seed=10 + k + 100 * (run - 1))  # fmt: skip
 
     def warm_up(self) -> None:
-        """One burst at the largest concurrency with short completions, not measured: the
-        engine compiles kernels for the batch shapes it first meets (Triton's fused MoE JIT
-        among them), which would otherwise land in the first level's timings."""
-        conc = max(self.args.concurrency)
-        n = min(self.args.group_size, conc)
-        groups = make_groups(max(1, conc // n), n, self.args.prompt_tokens, "8",
-                             self.args.vocab, seed=99)  # fmt: skip
-        asyncio.run(run_level(self.base, "bench-model", groups, conc, False))
+        """A burst at each level's concurrency with short completions, not measured: the engine
+        compiles kernels for the batch shapes it first meets (Triton's fused MoE JIT among
+        them), which would otherwise land in the first level's timings."""
+        for conc in sorted(set(self.args.concurrency)):
+            n = min(self.args.group_size, conc)
+            groups = make_groups(max(1, conc // n), n, self.args.prompt_tokens, "8",
+                                 self.args.vocab, seed=99 + conc)  # fmt: skip
+            asyncio.run(run_level(self.base, "bench-model", groups, conc, False))
 
     def level(self, mode: str, k: int, conc: int, seqs: int, run: int) -> dict[str, Any]:
         groups = self.groups(conc, seqs, k, run)
@@ -158,12 +175,14 @@ class _Bench:
         cpu0 = probe.group_cpu_s(self.pid)
         red0 = probe.redis_counters(self.redis_url) if self.redis_url else None
         page0 = probe.metrics_page(url)
+        log0 = self.log.stat().st_size
         with self.profiled(f"{self.server}-{mode}-c{conc}", run):
             lv = asyncio.run(run_level(self.base, "bench-model", groups, conc, mode == "stream"))
         cpu1 = probe.group_cpu_s(self.pid)
         page1 = probe.metrics_page(url)
         row = {**_timings(self.server, mode, lv, cpu0, cpu1), "run": run}
         row.update(_engine_means(page0, page1))
+        row["engine_jit"] = _log_count(self.log, log0, _JIT_LINE)
         row["writes_pending_peak"] = None
         if red0 is not None:
             red1 = probe.redis_counters(self.redis_url)
@@ -171,6 +190,8 @@ class _Bench:
             for key, name, sel in _STALLS:
                 a, b = (probe.histogram(url, name, sel, page) for page in (page0, page1))
                 row[key] = probe.histogram_summary(a, b)
+            stalls = [probe.gauge(url, _STALLS_TOTAL, page) or 0 for page in (page0, page1)]
+            row["loop_stalls"] = stalls[1] - stalls[0]
             backlog = row.pop("write_backlog")
             row["writes_pending_peak"] = backlog["max_le_s"] if backlog else 0.0
         row.update(self.routes(mode, conc, run, lv))
@@ -243,6 +264,13 @@ class _Bench:
                                           ref.token_ids.tolist(), int(cached))  # fmt: skip
                 same, cells = same + a, cells + b
         return {"sequences": len(picked), "cells": cells, "equal": same}
+
+
+def _log_count(log: Path, start: int, needle: bytes) -> int:
+    """Lines of ``log`` from byte ``start`` on that hold ``needle``."""
+    with open(log, "rb") as f:
+        f.seek(start)
+        return sum(needle in line for line in f)
 
 
 def _engine_means(page0: str, page1: str) -> dict[str, float | None]:
@@ -325,7 +353,7 @@ def _run_server(server: str, args: argparse.Namespace, model: str, logs: Path) -
         print(f"starting {server} ...", flush=True)
         log = logs / f"{server}.log"
         with server_process(argv, ready, log, timeout_s=args.start_timeout_s) as p:
-            b = _Bench(server, args, model, p.pid, base, url)
+            b = _Bench(server, args, model, p.pid, base, url, log)
             if ours:
                 print(b.startup_heap(), flush=True)
             b.warm_up()

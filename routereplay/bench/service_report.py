@@ -52,6 +52,8 @@ def _store_wait(r: dict[str, Any]) -> str:
     out = f"; store wait mean {w['mean_s'] * 1e3:.1f} ms, p99 <= {w['p99_le_s'] * 1e3:g} ms"
     if lag := r.get("loop_lag"):
         out += f"; loop lag max <= {lag['max_le_s'] * 1e3:g} ms"
+    if stalls := r.get("loop_stalls"):
+        out += f" ({stalls:.0f} stalls logged)"
     if full := r.get("gc_full"):
         out += f"; {full['n']:.0f} full GCs, {full['mean_s'] * 1e3:.0f} ms mean"
     return out
@@ -75,6 +77,7 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
             f"{_ms(r['itl_p50']):>7s}/{_ms(r['itl_p99']):<7s} "
             f"{r['cpu_api_us_tok']:8.0f}/{r['cpu_all_us_tok']:<8.0f} {_routes(r):>10s} "
             f"{_cells(r.get('vs_peer')):>9s} {_cells(r.get('vs_engine')):>9s}  {_redis(r)}"
+            + (f"  engine JIT compiles {r['engine_jit']}" if r.get("engine_jit") else "")
             + (f"  ERRORS {r['errors']}: {r['first_error'][:80]}" if r["errors"] else "")
         )
     return out
@@ -161,5 +164,6 @@ def report(results: Path, args: dict[str, Any]) -> str:
              "with the same experts as the peer's inline routes for the same seeded request / "
              "the engine's own prefill of the stored tokens, over rows computed from the same "
              "tokens; engine TTFT/queue/prefill: vLLM's own means over the level's engine "
-             "requests (one per choice), from the engine's arrival of a request"]  # fmt: skip
+             "requests (one per choice), from the engine's arrival of a request; engine JIT "
+             "compiles: kernels the engine compiled while the level ran (its log)"]  # fmt: skip
     return "\n".join([head, *_table(rows), *_medians(by), *_ratios(by), *notes])
