@@ -92,6 +92,11 @@ class ServiceMetrics:
             "routereplay_engine_queue_depth", "requests inside the engine (running + waiting)",
             registry=r,
         )  # fmt: skip
+        self._loop_metrics(r)
+        self._engine: Collector | None = None
+
+    def _loop_metrics(self, r: CollectorRegistry) -> None:
+        """What holds the serving process's event loop: its lag, its stalls, collections."""
         self.loop_lag = Histogram(
             "routereplay_event_loop_lag_seconds",
             "how late the event loop ran a timer due every "
@@ -111,7 +116,6 @@ class ServiceMetrics:
             "objects the app froze out of the garbage collector's walks at start-up",
             registry=r,
         )
-        self._engine: Collector | None = None
 
     async def watch_loop_lag(self, beat: Callable[[], None] | None = None) -> None:
         """Observe the event loop's lag until cancelled (a task of the app's lifespan), calling
