@@ -62,9 +62,9 @@ _STORE_SECONDS = "routereplay_route_store_seconds"
 # Read before and after each level of routereplay's servers: (row key, histogram, series).
 _STALLS = (("store_wait", _STORE_SECONDS, ""),
            ("loop_lag", "routereplay_event_loop_lag_seconds", ""),
-           ("gc_full", "routereplay_gc_pause_seconds", 'generation="2"'),
-           # Every backlog a record met: the level's largest is the top bucket it reached.
-           ("write_backlog", "routereplay_route_write_backlog", ""))  # fmt: skip
+           ("gc_full", "routereplay_gc_pause_seconds", 'generation="2"'))  # fmt: skip
+# Every backlog a record met: a level's largest is the top bucket its records reached.
+_BACKLOG = "routereplay_route_write_backlog"
 # Stalls of the server's event loop, each logged with its stack (--loop-stall-log-ms).
 _STALLS_TOTAL = "routereplay_event_loop_stalls_total"
 # What vLLM logs for each kernel its engine compiles while serving (every one with
@@ -188,11 +188,10 @@ class _Bench:
             red1 = probe.redis_counters(self.redis_url)
             row["redis"] = {k: red1[k] - red0[k] for k in red0}
             for key, name, sel in _STALLS:
-                a, b = (probe.histogram(url, name, sel, page) for page in (page0, page1))
-                row[key] = probe.histogram_summary(a, b)
+                row[key] = _between(url, name, sel, page0, page1)
             stalls = [probe.gauge(url, _STALLS_TOTAL, page) or 0 for page in (page0, page1)]
             row["loop_stalls"] = stalls[1] - stalls[0]
-            backlog = row.pop("write_backlog")
+            backlog = _between(url, _BACKLOG, "", page0, page1)
             row["writes_pending_peak"] = backlog["max_le_s"] if backlog else 0.0
         row.update(self.routes(mode, conc, run, lv))
         return row
@@ -264,6 +263,12 @@ class _Bench:
                                           ref.token_ids.tolist(), int(cached))  # fmt: skip
                 same, cells = same + a, cells + b
         return {"sequences": len(picked), "cells": cells, "equal": same}
+
+
+def _between(url: str, name: str, sel: str, page0: str, page1: str) -> dict[str, float]:
+    """What histogram ``name`` (series ``sel``) observed between two /metrics pages."""
+    a, b = (probe.histogram(url, name, sel, page) for page in (page0, page1))
+    return probe.histogram_summary(a, b)
 
 
 def _log_count(log: Path, start: int, needle: bytes) -> int:
