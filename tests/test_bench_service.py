@@ -199,6 +199,37 @@ def test_report_gives_medians_spread_and_the_worst_run(tmp_path) -> None:
         "1", "2", "3"]  # fmt: skip
 
 
+def test_report_gives_the_engine_tpot_and_how_much_longer_a_slot_is_held(tmp_path) -> None:
+    """held = the client's mean request time less vLLM's mean end-to-end time; routereplay's
+    over the peer's within each run, in ms and as a share of routereplay's request time."""
+    peer = [_row("peer", "json", 128, 4000, None) for _ in range(3)]
+    rr = [_row("routereplay", "json", 128, 3990, None) for _ in range(3)]
+    # (client mean, engine mean, TPOT) by run: peer held 10, 12, 11 ms; routereplay 40, 22, 61.
+    figures = {"peer": [(10.010, 10.0, 0.030), (12.012, 12.0, 0.031), (11.011, 11.0, 0.030)],
+               "routereplay": [(10.040, 10.0, 0.0303), (12.022, 12.0, 0.0306),
+                               (11.061, 11.0, 0.0300)]}  # fmt: skip
+    for rows in (peer, rr):
+        for run, r in enumerate(rows, 1):
+            r["run"], (r["e2e_mean"], r["engine_e2e_mean"], r["engine_tpot_mean"]) = (
+                run,
+                figures[r["server"]][run - 1],
+            )
+            r["held_mean"] = service._held(r)
+    (tmp_path / "peer.json").write_text(json.dumps(peer))
+    (tmp_path / "routereplay.json").write_text(json.dumps(rr))
+    args = {"model": "m", "group_size": 8, "prompt_tokens": "1", "max_tokens": "1", "dtype": "x"}
+    lines = service_report.report(tmp_path, args).splitlines()
+    after = lines[next(i for i, ln in enumerate(lines) if ln.startswith("routereplay over")) :]
+    cols = next(ln for ln in after if ln.startswith("peer ")).split()
+    # TPOT within runs: 1.010, 0.987, 1.000 (median 1.000, worst 1.010); held longer: 30, 10
+    # and 50 ms (median 30 ms), 0.30%, 0.08%, 0.45% of routereplay's request time.
+    assert cols[-5:] == ["1.000", "1.010", "+30.0", "ms", "(+0.30%)"]
+    row = next(ln for ln in lines if ln.startswith("routereplay  json") and " 3 " in ln)
+    assert "30000" in row.split() and "61.0" in row.split()  # TPOT in us, held in ms
+    assert service._held({"e2e_mean": None, "engine_e2e_mean": 1.0}) is None
+    assert service._held({"e2e_mean": 1.0}) is None  # a server without vLLM's stats
+
+
 def test_histogram_summary_reads_the_observations_between_two_reads() -> None:
     from routereplay.bench.serving_probe import histogram_summary
 

@@ -71,10 +71,13 @@ _STALLS_TOTAL = "routereplay_event_loop_stalls_total"
 # jit_monitor_verbose, which the engine settings turn on where the installed vLLM has it).
 _JIT_LINE = b"JIT compilation during inference"
 # vLLM's own per-request timings, read from every server (each logs vLLM's stats): from the
-# engine's arrival of a request to its first token, in its queue, and in its prefill.
+# engine's arrival of a request to its first token, in its queue, in its prefill and to its
+# finish, and the time per output token of its decode.
 _ENGINE = (("engine_ttft_mean", "vllm:time_to_first_token_seconds"),
            ("engine_queue_mean", "vllm:request_queue_time_seconds"),
-           ("engine_prefill_mean", "vllm:request_prefill_time_seconds"))  # fmt: skip
+           ("engine_prefill_mean", "vllm:request_prefill_time_seconds"),
+           ("engine_e2e_mean", "vllm:e2e_request_latency_seconds"),
+           ("engine_tpot_mean", "vllm:request_time_per_output_token_seconds"))  # fmt: skip
 # Also on request, routereplay with one setting changed: its expert-load telemetry off (what
 # that telemetry costs), its routes stored in threads of the serving process (what the route
 # worker processes take off its GIL), every route stored with its routing weights (what they
@@ -182,6 +185,7 @@ class _Bench:
         page1 = probe.metrics_page(url)
         row = {**_timings(self.server, mode, lv, cpu0, cpu1), "run": run}
         row.update(_engine_means(page0, page1))
+        row["held_mean"] = _held(row)
         row["engine_jit"] = _log_count(self.log, log0, _JIT_LINE)
         row["writes_pending_peak"] = None
         if red0 is not None:
@@ -289,6 +293,15 @@ def _engine_means(page0: str, page1: str) -> dict[str, float | None]:
     return out
 
 
+def _held(row: dict[str, Any]) -> float | None:
+    """How much longer a request took at the client than in the engine, on average: the
+    server's own time around the engine's (the request's reading and admission, its routes'
+    store, its response), for which a sequence's slot is held while the engine has none of it."""
+    if row["e2e_mean"] is None or row.get("engine_e2e_mean") is None:
+        return None
+    return row["e2e_mean"] - row["engine_e2e_mean"]
+
+
 def _timings(server: str, mode: str, lv: LevelLoad, cpu0: tuple, cpu1: tuple) -> dict[str, Any]:
     import numpy as np
 
@@ -300,6 +313,7 @@ def _timings(server: str, mode: str, lv: LevelLoad, cpu0: tuple, cpu1: tuple) ->
             "requests": len(lv.latencies), "sequences": len(lv.choices), "wall_s": lv.wall_s,
             "completion_tokens": lv.completion_tokens, "tok_s": lv.completion_tokens / lv.wall_s,
             "e2e_p50": pct(lv.latencies, 50), "e2e_p99": pct(lv.latencies, 99),
+            "e2e_mean": float(np.mean(lv.latencies)) if lv.latencies else None,
             "ttft_p50": pct(lv.ttft, 50), "ttft_p99": pct(lv.ttft, 99),
             "itl_p50": pct(lv.itl, 50), "itl_p99": pct(lv.itl, 99),
             "cpu_api_us_tok": (cpu1[0] - cpu0[0]) / toks * 1e6,
