@@ -91,6 +91,40 @@ class _Choice:
             self.message.update(ev.message)
 
 
+class _Stores:
+    """The route stores of a stream's finished choices, run concurrently: the choices of a
+    request that finish in one engine step (a GRPO group with ``ignore_eos``) wait for the
+    slowest store, not for all of them one after another, and the other choices' tokens keep
+    streaming meanwhile. Each finishing chunk goes out once its route is stored."""
+
+    def __init__(self) -> None:
+        self._pending: dict[asyncio.Task, ChoiceFinished] = {}
+
+    def start(self, ev: ChoiceFinished, capture: Awaitable[dict[str, Any]]) -> None:
+        self._pending[asyncio.ensure_future(capture)] = ev
+
+    def done(self) -> list[tuple[ChoiceFinished, dict[str, Any]]]:
+        """The stores finished so far (the route fields of each choice), in the order they
+        were started."""
+        if not self._pending:
+            return []
+        return [(self._pending.pop(t), t.result()) for t in list(self._pending) if t.done()]
+
+    async def rest(self) -> AsyncIterator[tuple[ChoiceFinished, dict[str, Any]]]:
+        """The stores still running, each as soon as it finishes."""
+        while self._pending:
+            await asyncio.wait(self._pending, return_when=asyncio.FIRST_COMPLETED)
+            for item in self.done():
+                yield item
+
+    def cancel(self) -> None:
+        """A stream that ends early (an error, the client gone) answers for no route: the
+        stores it has not reported are cancelled, as the non-streamed path cancels its own."""
+        for t in self._pending:
+            t.cancel()
+        self._pending.clear()
+
+
 @dataclass
 class _Prompts:
     """The rendered prompts of one request: choice ``i`` is of prompt ``i // n`` (vLLM's
@@ -578,12 +612,8 @@ class _ServingGeneration(abc.ABC, Generic[R]):
         error event before it (and in the request metrics with its real status).
         """
         r = greq.request
-        base = {
-            "id": greq.request_id,
-            "object": self.chunk_object,
-            "created": int(time.time()),
-            "model": self._model_name(r),
-        }
+        base = {"id": greq.request_id, "object": self.chunk_object,
+                "created": int(time.time()), "model": self._model_name(r)}  # fmt: skip
         choices = prompts.choices()
 
         def chunk(choice: dict[str, Any], **extra: Any) -> bytes:
@@ -592,10 +622,15 @@ class _ServingGeneration(abc.ABC, Generic[R]):
                 body["usage"] = self._usage(prompts, choices, count=False).model_dump()
             return _sse(body)
 
+        def finishing(fin: ChoiceFinished, route: dict[str, Any]) -> bytes:
+            last = held.pop(fin.index, None)
+            return chunk(self._finishing(choices[fin.index], fin, last, route))
+
         status = 200
         # Each choice's last output, held until its finish: vLLM sends the last token with the
         # finish reason, and the route handle rides on that chunk once the route is stored.
         held: dict[int, dict[str, Any]] = {}
+        stores = _Stores()
         try:
             for c in self._opening_chunks(greq, prompts):
                 yield chunk(**c)
@@ -613,8 +648,12 @@ class _ServingGeneration(abc.ABC, Generic[R]):
                         yield chunk(c)
                 elif isinstance(ev, ChoiceFinished):
                     ch = choices[ev.index]
-                    route = await self._capture(greq, prompts, ch, ev, store)
-                    yield chunk(self._finishing(ch, ev, held.pop(ev.index, None), route))
+                    ch.finish = ev  # counted in a continuous usage while its route is stored
+                    stores.start(ev, self._capture(greq, prompts, ch, ev, store))
+                for fin, route in stores.done():
+                    yield finishing(fin, route)
+            async for fin, route in stores.rest():
+                yield finishing(fin, route)
             for c in held.values():  # a last output whose finish never came: still sent
                 yield chunk(c)
             usage = self._usage(prompts, choices)
@@ -632,6 +671,7 @@ class _ServingGeneration(abc.ABC, Generic[R]):
             )
             yield _sse(err.body())
         finally:
+            stores.cancel()
             await events.aclose()
         yield b"data: [DONE]\n\n"
         outcome["status"] = status  # reached once the client took the last chunk

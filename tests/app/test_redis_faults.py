@@ -213,3 +213,37 @@ async def test_pending_writes_are_bounded(server: Redis) -> None:
         assert await svc.metric("routereplay_route_write_backlog_count") == 2
         assert await svc.metric('routereplay_route_write_backlog_bucket{le="1.0"}') == 1
         assert await svc.metric('routereplay_route_write_backlog_bucket{le="2.0"}') == 2
+
+
+async def test_a_streams_choices_store_their_routes_together(server: Redis) -> None:
+    """The choices of a streamed request that finish in one engine step (a GRPO group) store
+    their routes at once, so the request waits for its slowest store, not for their sum: while
+    Redis holds writes, all four are pending. Once it answers, each choice's finishing chunk,
+    its last, carries its stored handle, and every record reads back as the engine made it."""
+    import json
+
+    async with running_app(server.url, store_timeout_s=120) as svc:
+        admin = server.client()
+        body = {**BODY, "prompt": "group " * 5, "n": 4, "stream": True}
+        try:
+            admin.execute_command("CLIENT", "PAUSE", PAUSE_MS, "WRITE")
+            request = asyncio.ensure_future(svc.http.post("/v1/completions", json=body))
+            await until(partial(metric_is, svc, PENDING, 4), "four stores pending together")
+            admin.execute_command("CLIENT", "UNPAUSE")
+            r = await request
+        finally:
+            admin.execute_command("CLIENT", "UNPAUSE")
+            admin.close()
+        assert r.status_code == 200, r.text
+        chunks = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+        choices = [c["choices"][0] for c in chunks if c.get("choices")]
+        last = {c["index"]: c for c in choices}  # each choice's last chunk
+        assert sorted(last) == [0, 1, 2, 3]
+        assert all(c["finish_reason"] == "length" for c in last.values())
+        assert sum(bool(c.get("finish_reason")) for c in choices) == 4  # one finishing chunk each
+        results = []
+        for i, c in last.items():
+            mine = [ch for ch in choices if ch["index"] == i]
+            tokens = [t for ch in mine for t in ch.get("prompt_token_ids", []) + ch["token_ids"]]
+            results.append((200, c["routed_experts"], tokens))
+        assert await verify(svc, results) == {"stored": 4, "failed": 0}
