@@ -62,9 +62,11 @@ KeyEntry = Annotated[SecretStr, AfterValidator(_key_entry)]
 
 
 def default_route_workers() -> int:
-    """A quarter of the host's CPUs, 1 to 4: a route costs a worker far less than the engine
-    spends producing it, so a few processes keep up with a node's engines."""
-    return max(1, min(4, (os.cpu_count() or 1) // 4))
+    """Half the host's CPUs, 1 to 8. A route costs a worker far less than the engine spends
+    producing it, so a few processes keep up with a node's engines; but a GRPO group's choices
+    finish in the same engine step and its response waits for the slowest of their stores, so
+    a group of 8 is stored at once rather than in rounds."""
+    return max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
 class Settings(BaseSettings):
@@ -223,7 +225,7 @@ class Settings(BaseSettings):
         default_factory=default_route_workers,
         ge=0,
         description="processes that build, compress, store and count routes, off the serving "
-        "process's GIL (default: a quarter of the CPUs, 1 to 4); 0: threads of the serving "
+        "process's GIL (default: half the CPUs, 1 to 8); 0: threads of the serving "
         "process",
     )
     loop_stall_log_ms: float = Field(
