@@ -24,6 +24,7 @@ from collections import OrderedDict
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -215,13 +216,25 @@ def _fill(
     return record
 
 
-def _worker_start() -> None:
+# How long the workers of a new pool may take to start together before the start fails.
+_START_TIMEOUT_S = 120.0
+# This worker's pool's start barrier (see RouteWorkers.start).
+_barrier: Any = None  # a multiprocessing Barrier
+
+
+def _worker_start(barrier: Any) -> None:
+    global _barrier
     # Ctrl-C reaches the whole process group; the serving process drains its requests, whose
     # routes these workers are storing, before it stops them.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _barrier = barrier
 
 
 def _ready() -> int:
+    """One start task: held until every worker of the pool holds one, so that the pool, which
+    starts a process only while none is idle, starts one per task."""
+    if _barrier is not None:
+        _barrier.wait(_START_TIMEOUT_S)
     return os.getpid()
 
 
@@ -244,15 +257,21 @@ class RouteWorkers:
         # server process imports this module once, and each worker forks from it.
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload([__name__])
-        return ProcessPoolExecutor(self.processes, mp_context=ctx, initializer=_worker_start)
+        barrier = ctx.Barrier(self.processes)
+        return ProcessPoolExecutor(
+            self.processes, mp_context=ctx, initializer=_worker_start, initargs=(barrier,)
+        )
 
     def start(self) -> list[int]:
-        """Start every worker now (blocking: call it from a thread), not on the first route;
-        returns their process ids (empty for threads)."""
+        """Start every worker now (blocking: call it from a thread), not on the first routes;
+        returns their process ids (empty for threads), one per worker."""
         if self.processes == 0:
             return []
         futures = [self._pool.submit(_ready) for _ in range(self.processes)]
-        return sorted({f.result() for f in futures})
+        pids = sorted({f.result() for f in futures})
+        if len(pids) != self.processes:  # a worker took two start tasks: the barrier failed
+            raise RouteWorkerError(f"{len(pids)} of {self.processes} route workers started")
+        return pids
 
     async def run(self, job: ChoiceJob) -> StoreOutcome:
         """:func:`store_choice` of ``job`` in a worker; :class:`RouteWorkerError` if the worker

@@ -95,6 +95,19 @@ async def test_a_put_past_its_deadline_writes_no_manifest(
     assert not list(closing(redis.Redis.from_url(redis_url)).scan_iter(f"{prefix}:*"))
 
 
+async def test_start_starts_every_worker_process(redis_url: str) -> None:
+    """Each of the N workers is a process of its own once start returns (the pool starts a
+    process only while none is idle, so a quick start task could leave most of them for the
+    first routes to start)."""
+    workers = RouteWorkers(3)
+    try:
+        pids = await asyncio.to_thread(workers.start)
+        assert len(pids) == 3 and all(os.path.exists(f"/proc/{p}") for p in pids)
+        assert sorted(p.pid for p in workers._pool._processes.values()) == pids
+    finally:
+        await workers.aclose()
+
+
 async def test_a_killed_worker_fails_its_route_and_is_replaced(redis_url: str) -> None:
     workers = RouteWorkers(1)
     (pid,) = await asyncio.to_thread(workers.start)
