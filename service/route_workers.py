@@ -233,8 +233,7 @@ def _worker_start(barrier: Any) -> None:
 def _ready() -> int:
     """One start task: held until every worker of the pool holds one, so that the pool, which
     starts a process only while none is idle, starts one per task."""
-    if _barrier is not None:
-        _barrier.wait(_START_TIMEOUT_S)
+    _barrier.wait(_START_TIMEOUT_S)
     return os.getpid()
 
 

@@ -17,8 +17,8 @@ _VARIANTS = ("rr-stats-off", "rr-threads", "rr-weights")
 _SERVERS = ("floor", "peer", *_VARIANTS, "routereplay")
 
 
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1e3:.0f}"
+def _ms(x: float | None, digits: int = 0) -> str:
+    return "-" if x is None else f"{x * 1e3:.{digits}f}"
 
 
 def _routes(r: dict[str, Any]) -> str:
@@ -59,10 +59,6 @@ def _store_wait(r: dict[str, Any]) -> str:
     return out
 
 
-def _held(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1e3:.1f}"
-
-
 def _engine(r: dict[str, Any]) -> str:
     keys = ("engine_ttft_mean", "engine_queue_mean", "engine_prefill_mean")
     return "/".join(_ms(r.get(k)) for k in keys)
@@ -82,7 +78,7 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
             f"{r.get('run', 1):3d} {r['tok_s']:7.0f} "
             f"{_ms(r['e2e_p50']):>7s}/{_ms(r['e2e_p99']):<7s} "
             f"{_ms(r['ttft_p50']):>8s}/{_ms(r['ttft_p99']):<8s} {_engine(r):^29s} "
-            f"{_us(r.get('engine_tpot_mean')):>7s} {_held(r.get('held_mean')):>8s} "
+            f"{_us(r.get('engine_tpot_mean')):>7s} {_ms(r.get('held_mean'), 1):>8s} "
             f"{_ms(r['itl_p50']):>7s}/{_ms(r['itl_p99']):<7s} "
             f"{r['cpu_api_us_tok']:8.0f}/{r['cpu_all_us_tok']:<8.0f} {_routes(r):>10s} "
             f"{_cells(r.get('vs_peer')):>9s} {_cells(r.get('vs_engine')):>9s}  {_redis(r)}"

@@ -91,7 +91,7 @@ class _Choice:
             self.message.update(ev.message)
 
 
-class _Stores:
+class _StreamStores:
     """The route stores of a stream's finished choices, run concurrently: the choices of a
     request that finish in one engine step (a GRPO group with ``ignore_eos``) wait for the
     slowest store, not for all of them one after another, and the other choices' tokens keep
@@ -630,7 +630,7 @@ class _ServingGeneration(abc.ABC, Generic[R]):
         # Each choice's last output, held until its finish: vLLM sends the last token with the
         # finish reason, and the route handle rides on that chunk once the route is stored.
         held: dict[int, dict[str, Any]] = {}
-        stores = _Stores()
+        stores = _StreamStores()
         try:
             for c in self._opening_chunks(greq, prompts):
                 yield chunk(**c)
