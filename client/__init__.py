@@ -28,7 +28,7 @@ from ._limits import ReadLimits, decoded_bytes
 from ._load import UNKNOWN_VERSION, expert_counts, layer_counts, load_figures
 from ._record import EngineRoutes, RouteRecord, WeightSpan, expert_dtype
 from ._store import MIN_REDIS_VERSION, AsyncRouteStore, RouteStore, StoreAddress
-from ._threads import default_decode_threads
+from ._threads import default_decode_threads, usable_cpus
 
 __all__ = [
     "BATCH_MEDIA_TYPE",
@@ -73,5 +73,6 @@ __all__ = [
     "layer_counts",
     "load_figures",
     "response_cap",
+    "usable_cpus",
     "validate_route_id",
 ]

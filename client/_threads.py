@@ -4,22 +4,81 @@ GPU checks stage that subset: tests/gpu/_common.sh)."""
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
-__all__ = ["DecodePool", "default_decode_threads"]
+__all__ = ["DecodePool", "default_decode_threads", "usable_cpus"]
+
+_CGROUP = Path("/sys/fs/cgroup")
+_PROC_CGROUP = Path("/proc/self/cgroup")
+
+
+def usable_cpus(cgroup_root: Path = _CGROUP, proc_cgroup: Path = _PROC_CGROUP) -> int:
+    """The CPUs this process may keep busy: its affinity (a cgroup cpuset, taskset), cut to its
+    cgroup's CPU quota rounded up (a pod's ``limits.cpu``: 2.5 gives 3). ``os.cpu_count()``
+    counts the node's CPUs, which in a pod limited to 4 of 64 would size pools for 64."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        n = os.cpu_count() or 1
+    quota = _cgroup_quota(cgroup_root, proc_cgroup)
+    return max(1, min(n, math.ceil(quota))) if quota is not None else max(1, n)
+
+
+def _cgroup_quota(root: Path, proc_cgroup: Path) -> float | None:
+    """The tightest CPU quota (CPUs' worth) over this process's cgroup and its ancestors, in
+    cgroup v2's ``cpu.max`` or v1's ``cpu.cfs_quota_us``; None where none is set or readable."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        if controllers == "":  # v2: "0::/path"
+            quotas += [_v2_quota(d / "cpu.max") for d in _dirs(root, path)]
+        elif "cpu" in controllers.split(","):
+            for mount in (root / "cpu", root / "cpu,cpuacct", root / controllers):
+                quotas += [_v1_quota(d) for d in _dirs(mount, path)]
+    quotas = [q for q in quotas if q is not None]
+    return min(quotas) if quotas else None
+
+
+def _dirs(mount: Path, path: str) -> list[Path]:
+    # The cgroup's directory and each ancestor's up to the mount. Inside a container whose
+    # cgroup namespace is private the path is "/" and the mount is the container's own cgroup.
+    parts = [p for p in path.split("/") if p]
+    return [mount.joinpath(*parts[:k]) for k in range(len(parts), -1, -1)]
+
+
+def _v2_quota(cpu_max: Path) -> float | None:
+    try:
+        quota, period = cpu_max.read_text().split()
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def _v1_quota(folder: Path) -> float | None:
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None  # -1: no quota
 
 
 def default_decode_threads() -> int:
-    """Decode threads a store uses unless told: the CPUs this process may run on, up to 8
-    (a trainer host runs one reader per GPU; on a 16-core host 8 threads decode a 256k-token
-    step's chunks faster than 4, docs/benchmarks.md)."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        n = os.cpu_count() or 1
-    return max(1, min(8, n))
+    """Decode threads a store uses unless told: the CPUs this process may keep busy
+    (``usable_cpus``), up to 8 (a trainer host runs one reader per GPU; on a 16-core host 8
+    threads decode a 256k-token step's chunks faster than 4, docs/benchmarks.md)."""
+    return min(8, usable_cpus())
 
 
 class DecodePool:

@@ -7,7 +7,6 @@ from the fields): flags override the environment, which overrides the defaults.
 from __future__ import annotations
 
 import difflib
-import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, SecretStr
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from routereplay.client import usable_cpus
 
 from .env_settings import SettingsEnvSource
 from .key_entries import parse_key_entry
@@ -62,11 +63,12 @@ KeyEntry = Annotated[SecretStr, AfterValidator(_key_entry)]
 
 
 def default_route_workers() -> int:
-    """Half the host's CPUs, 1 to 8. A route costs a worker far less than the engine spends
-    producing it, so a few processes keep up with a node's engines; but a GRPO group's choices
-    finish in the same engine step and its response waits for the slowest of their stores, so
-    a group of 8 is stored at once rather than in rounds."""
-    return max(1, min(8, (os.cpu_count() or 1) // 2))
+    """Half the CPUs this process may keep busy (its affinity and cgroup CPU quota), 1 to 8.
+    A route costs a worker far less than the engine spends producing it, so a few processes
+    keep up with a node's engines; but a GRPO group's choices finish in the same engine step
+    and its response waits for the slowest of their stores, so a group of 8 is stored at once
+    rather than in rounds."""
+    return max(1, min(8, usable_cpus() // 2))
 
 
 class Settings(BaseSettings):
@@ -225,7 +227,8 @@ class Settings(BaseSettings):
         default_factory=default_route_workers,
         ge=0,
         description="processes that build, compress, store and count routes, off the serving "
-        "process's GIL (default: half the CPUs, 1 to 8); 0: threads of the serving "
+        "process's GIL (default: half the CPUs it may keep busy, by its affinity and cgroup "
+        "CPU quota, 1 to 8); 0: threads of the serving "
         "process",
     )
     loop_stall_log_ms: float = Field(

@@ -405,11 +405,13 @@ def _cpu_per_step(
 ) -> dict[str, Any]:
     """CPU per step of ours (``prepare``) and of the floor, this process's and the redis-server's
     (:func:`_cpu_per_call`), the usable CPUs, and the least wall time ours needs on them."""
+    from routereplay.client import usable_cpus
+
     # On a machine with few cores the wall-time ratio cannot go below what that CPU spread over
     # every core takes.
     cpu_ours, cpu_ours_redis = _cpu_per_call(prepare, repeat, client)
     cpu_floor, cpu_floor_redis = _cpu_per_call(floor, repeat, client)
-    cpus = _usable_cpus()
+    cpus = usable_cpus()
     # The bound holds only where the redis-server runs on this machine's cores: a loopback URL.
     local_server = urlsplit(url).hostname in ("127.0.0.1", "localhost", "::1")
     cpu_bound_s = (
@@ -559,15 +561,6 @@ def _cpu_per_call(fn: Callable[[], object], n: int, client: object) -> tuple[flo
             best = (proc, red)
     assert best is not None
     return best
-
-
-def _usable_cpus() -> int:
-    # The CPUs this process may run on (taskset shrinks them), as the store's default decode
-    # threads count them (client/_threads.py; private there, so not imported by tooling).
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
 
 
 def _step_overhead(
