@@ -177,6 +177,13 @@ def _weights_sections(
 # ---------------------------------------------------------------------------------------------
 # get
 # ---------------------------------------------------------------------------------------------
+def check_stop(start: int, stop: int | None) -> None:
+    """:class:`RouteShapeError` for a read's ``stop`` that is not past its ``start`` (None: a
+    read to the record's end)."""
+    if stop is not None and stop <= start:
+        raise RouteShapeError(f"stop={stop} must be greater than start={start}")
+
+
 @dataclass
 class Manifest:
     route_id: str
@@ -189,13 +196,20 @@ class Manifest:
     digests: list[bytes]
     weights_dtype: str | None = None  # the record's weights plane; None: it has none
 
-    def needed(self, start: int) -> list[int]:
-        """Indices of the chunks that hold rows ``start..T``."""
+    def end(self, start: int, stop: int | None = None) -> int:
+        """The row a read of rows ``start..stop`` ends at: ``T``, or ``stop`` clipped to ``T``;
+        :class:`RouteShapeError` for a ``start`` out of ``[0, T]`` or a ``stop`` not past it."""
         if not 0 <= start <= self.T:
             raise RouteShapeError(
                 f"route {self.route_id!r}: start={start} out of range [0, {self.T}]"
             )
-        return list(range(start // self.block_size, len(self.digests)))
+        check_stop(start, stop)
+        return self.T if stop is None else min(stop, self.T)
+
+    def needed(self, start: int, stop: int | None = None) -> list[int]:
+        """Indices of the chunks that hold rows ``start..min(stop, T)`` (``stop`` None: to T)."""
+        end = self.end(start, stop)
+        return list(range(start // self.block_size, -(-end // self.block_size)))
 
     def seed(self) -> bytes:
         """The token chain before chunk 0 (see :func:`chain_seed`)."""
@@ -320,13 +334,16 @@ def assemble(
     blocks: Mapping[bytes, Block],
     start: int = 0,
     got: Sequence[Block] | None = None,
+    stop: int | None = None,
 ) -> RouteRecord:
-    """The record's rows ``start..T`` from its decoded chunks (a :class:`StoredRecord`),
-    checking each chunk belongs and holds only ids below ``E``. ``got``: the blocks of
-    ``m.needed(start)`` in order, where the caller has them already (a lookup each saved)."""
-    n = m.T - start
+    """The record's rows ``start..end`` (``end``: ``T``, or ``stop`` clipped to ``T``) from its
+    decoded chunks (a :class:`StoredRecord`), checking each chunk belongs and holds only ids
+    below ``E``: equal to the rows ``start..T`` cut with ``rows(0, end - start)``. ``got``: the
+    blocks of ``m.needed(start, stop)`` in order, where the caller has them already (a lookup
+    each saved)."""
+    end = m.end(start, stop)
     bs = m.block_size
-    needed = m.needed(start)
+    needed = m.needed(start, stop)
     if got is None:
         got = [blocks[m.digests[i]] for i in needed]
     prev = m.seed() if needed and needed[0] == 0 else None
@@ -345,12 +362,13 @@ def assemble(
             prev = blk.chain
         else:
             prev = _check_chunk(m, i, blk, prev)
-        lo = start - i * bs  # > 0 only for the first chunk, when it starts inside
-        if lo > 0:
-            rows = blk.experts[:, lo:]
+        # The window's rows of this chunk: a first chunk may start inside, a last end inside.
+        lo, hi = max(start - i * bs, 0), min(end - i * bs, blk.experts.shape[1])
+        if lo or hi < blk.experts.shape[1]:
+            rows = blk.experts[:, lo:hi]
             top = int(rows.max()) if rows.size else -1
-            toks.append(blk.token_ids[lo:])
-            valids.append(blk.valid[lo:])
+            toks.append(blk.token_ids[lo:hi])
+            valids.append(blk.valid[lo:hi])
         else:
             rows = blk.experts
             top = blk.max_id  # computed as the chunk was decoded (-1: no rows)
@@ -362,44 +380,55 @@ def assemble(
             )
         parts.append((row, rows))
         if weights is not None:
-            weights.append(_chunk_weights(m, i, blk, max(lo, 0)))
+            weights.append(_chunk_weights(m, i, blk, lo, hi))
         row += rows.shape[1]
         if top > most:
             most = top
-    if row != n:  # _check_chunk checked every chunk's rows; this is their sum
-        raise RouteCorruptError(f"route {m.route_id!r}: chunks hold {row} rows, not {n}")
+    if row != end - start:  # _check_chunk checked every chunk's rows; this is their sum
+        raise RouteCorruptError(f"route {m.route_id!r}: chunks hold {row} rows, not {end - start}")
     if not parts:
         parts = [(0, np.empty((m.M, 0, m.K), expert_dtype(m.E)))]
     tok = np.concatenate(toks) if toks else np.empty(0, np.int64)
     valid = np.concatenate(valids) if valids else np.empty(0, bool)
-    p = dict(m.fields)
-    pl = min(max(int(p["pl"]) - start, 0), n)
-    p["pl"] = pl
-    p["nc"] = min(int(p["nc"]), pl)
-    if start:
-        p["meta"] = {**(p.get("meta") or {}), "row_start": start}
-        p["wv"] = [
-            [v, max(a, start) - start, b - start] for v, a, b in p.get("wv") or () if b > start
-        ]
-    p["E"] = m.E
     w = None
     if weights is not None:
         w = np.concatenate(weights, axis=1) if weights else np.empty((m.M, 0, m.K), np.float32)
         w = w.transpose(1, 0, 2)
+    p = _window_fields(m, start, end)
     return record_from_parts(
         p, tok, (parts, most), valid, f"route {m.route_id!r}", cls=StoredRecord, weights=w
     )
 
 
-def _chunk_weights(m: Manifest, index: int, blk: Block, lo: int) -> np.ndarray:
-    """Chunk ``index``'s weights from row ``lo`` on, layer-major; the manifest lists a weights
+def _window_fields(m: Manifest, start: int, end: int) -> dict[str, Any]:
+    """The manifest's record fields for rows ``start..end``, as :meth:`RouteRecord.rows` gives
+    them: prompt length and cached tokens clipped to the window, weight-version spans clipped
+    and renumbered from ``start`` (those outside it dropped), ``row_start`` where ``start > 0``."""
+    p = dict(m.fields)
+    pl = min(max(int(p["pl"]) - start, 0), end - start)
+    p["pl"] = pl
+    p["nc"] = min(int(p["nc"]), pl)
+    if start:
+        p["meta"] = {**(p.get("meta") or {}), "row_start": start}
+    if start or end < m.T:
+        p["wv"] = [
+            [v, max(a, start) - start, min(b, end) - start]
+            for v, a, b in p.get("wv") or ()
+            if min(b, end) > max(a, start)
+        ]
+    p["E"] = m.E
+    return p
+
+
+def _chunk_weights(m: Manifest, index: int, blk: Block, lo: int, hi: int) -> np.ndarray:
+    """Chunk ``index``'s weights of rows ``lo..hi``, layer-major; the manifest lists a weights
     plane, so a chunk without one (or in another dtype) is not this record's."""
     if blk.weights is None or blk.weights_dtype != m.weights_dtype:
         raise RouteCorruptError(
             f"{_chunk_what(m, index)}: holds no {m.weights_dtype} weights plane, which its "
             "manifest lists"
         )
-    return blk.weights[:, lo:] if lo else blk.weights
+    return blk.weights[:, lo:hi] if lo or hi < blk.weights.shape[1] else blk.weights
 
 
 ReadResult = RouteRecord | RouteError | None
@@ -413,6 +442,7 @@ class ReadPlan:
     start: int
     results: list[ReadResult]
     manifests: list[tuple[int, Manifest, list[int]]]  # (position, manifest, needed chunks)
+    stop: int | None = None  # rows ``start..stop`` (None: to each record's end)
 
     def digests(self) -> list[bytes]:
         """Distinct chunk digests the read needs, in first-use order."""
@@ -436,14 +466,18 @@ def plan_read(
     manifest_blobs: Sequence[bytes | None],
     start: int = 0,
     limits: ReadLimits = DEFAULT_LIMITS,
+    *,
+    stop: int | None = None,
 ) -> ReadPlan:
-    plan = ReadPlan(start, [None] * len(route_ids), [])
+    """Which chunks a read of rows ``start..stop`` (``stop`` None: to the end, else clipped to
+    each record's end) of ``route_ids`` needs, from their manifests' bytes (None: no manifest)."""
+    plan = ReadPlan(start, [None] * len(route_ids), [], stop)
     for idx, (rid, blob) in enumerate(zip(route_ids, manifest_blobs, strict=True)):
         if blob is None:
             continue
         try:
             m = parse_manifest(rid, blob, limits)
-            plan.manifests.append((idx, m, m.needed(start)))
+            plan.manifests.append((idx, m, m.needed(start, stop)))
         except RouteError as e:
             plan.results[idx] = e
     return plan
@@ -461,7 +495,7 @@ def finish_read(
     ``parts`` tasks (or the caller's thread). A result is the record, None (no manifest), or the
     error that id alone hit: :class:`RouteEvictedError` (a chunk is gone),
     :class:`RouteCorruptError` (bytes fail a check), :class:`RouteShapeError` (``start`` out of
-    range). One bad record never fails the others.
+    range, or ``stop`` not past it). One bad record never fails the others.
     """
     shapes = plan.shapes()
     dec = ChunkDecoder(pool, parts, shapes)
@@ -479,6 +513,7 @@ def assemble_read(
     caller's thread: assembling on the pool as well was measured slower, its copies contend
     with the decoding for memory bandwidth and the GIL.)"""
     out = list(plan.results)
+    start, stop = plan.start, plan.stop
     take = decoded.take if isinstance(decoded, ChunkDecoder) else None
     for idx, m, needed in plan.manifests:
         ds = [m.digests[i] for i in needed]
@@ -493,7 +528,7 @@ def assemble_read(
             out[idx] = type(problems[0])(f"route {m.route_id!r}: {problems[0]}")
         else:
             try:
-                out[idx] = assemble(m, decoded, plan.start, got)  # type: ignore[arg-type]
+                out[idx] = assemble(m, decoded, start, got, stop)  # type: ignore[arg-type]
             except RouteError as e:
                 out[idx] = e
             except MALFORMED as e:  # a check missed: still this id's error alone, named

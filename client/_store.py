@@ -40,6 +40,7 @@ from ._layout import (
     PutResult,
     apply_fill,
     assemble_read,
+    check_stop,
     plan_fill,
     plan_put,
     plan_read,
@@ -269,6 +270,7 @@ class _Read:
     start: int
     limits: ReadLimits
     mget: bool
+    stop: int | None = None  # rows ``start..stop`` (None: to each record's end)
 
 
 def _get_many(read: _Read, ids: list[str], pool: Executor | None, parts: int) -> Op:
@@ -276,7 +278,7 @@ def _get_many(read: _Read, ids: list[str], pool: Executor | None, parts: int) ->
     batches that decode (on ``pool``) while the next batch is read."""
     keys, mget = read.keys, read.mget
     blobs = yield from _read([keys.manifest(rid) for rid in ids], mget)
-    plan = plan_read(ids, blobs, read.start, read.limits)
+    plan = plan_read(ids, blobs, read.start, read.limits, stop=read.stop)
     shapes = plan.shapes()
     digests = list(shapes)
     dec = ChunkDecoder(pool, parts, shapes)
@@ -501,10 +503,11 @@ class _Common:
         )
         return _put(plan, self.ttl_s if ttl_s is None else ttl_s)
 
-    def _get_op(self, route_ids: Sequence[str], start: int) -> Op:
+    def _get_op(self, route_ids: Sequence[str], start: int, stop: int | None = None) -> Op:
         ids = [validate_route_id(r) for r in route_ids]
+        check_stop(start, stop)  # before Redis is asked: no record makes such a window valid
         # A few tasks per thread per stage: even shares without a task per chunk.
-        read = _Read(self.keys, start, self.limits, self._mget)
+        read = _Read(self.keys, start, self.limits, self._mget, stop)
         return _get_many(read, ids, self._decode_pool(), 2 * self.decode_threads)
 
     def _raw_op(self, route_ids: Sequence[str], start: int, max_bytes: int) -> Op:
@@ -626,20 +629,27 @@ class RouteStore(_Common):
         """
         return self._run(self._put_op(route_id, record, ttl_s, canonical_order), deadline)
 
-    def get(self, route_id: str, *, start: int = 0) -> RouteRecord:
-        """The record stored under ``route_id``, rows ``start..T`` (RouteNotFoundError if none)."""
-        return self.get_many([route_id], start=start)[0]  # type: ignore[return-value]
+    def get(self, route_id: str, *, start: int = 0, stop: int | None = None) -> RouteRecord:
+        """The record stored under ``route_id``, rows ``start..stop`` (``stop`` None: to its end
+        T; past T: clipped to T); RouteNotFoundError if none."""
+        return self.get_many([route_id], start=start, stop=stop)[0]  # type: ignore[return-value]
 
     def get_many(
         self,
         route_ids: Sequence[str],
         *,
         start: int = 0,
+        stop: int | None = None,
         missing_ok: bool = False,
         return_exceptions: bool = False,
     ) -> list[Any]:
         """Records for ``route_ids`` in order; each distinct chunk is fetched and decoded once,
         and checked against its content address.
+
+        Each record holds rows ``start..stop`` (``stop`` None: to its end; past its end: clipped
+        to it), as ``rows(start, stop)`` of the whole record would, read from only the chunks
+        that hold them. A ``start`` past a record's end is that id's :class:`RouteShapeError`;
+        a ``stop`` not past ``start`` raises it before Redis is asked.
 
         Unknown ids raise :class:`RouteNotFoundError`, or give None with ``missing_ok=True`` (a
         record whose chunk was evicted counts as missing). A record whose bytes fail a check
@@ -647,7 +657,7 @@ class RouteStore(_Common):
         takes its place in the list instead and the other records are returned.
         """
         ids = list(route_ids)
-        results = self._run(self._get_op(ids, start))
+        results = self._run(self._get_op(ids, start, stop))
         return resolve_results(
             ids, results, missing_ok=missing_ok, return_exceptions=return_exceptions
         )
@@ -796,21 +806,23 @@ class AsyncRouteStore(_Common):
             op = self._put_op(route_id, record, ttl_s, canonical_order)
         return await self._run(op, big)
 
-    async def get(self, route_id: str, *, start: int = 0) -> RouteRecord:
+    async def get(self, route_id: str, *, start: int = 0, stop: int | None = None) -> RouteRecord:
         """See :meth:`RouteStore.get`."""
-        return (await self.get_many([route_id], start=start))[0]  # type: ignore[return-value]
+        got = await self.get_many([route_id], start=start, stop=stop)
+        return got[0]  # type: ignore[return-value]
 
     async def get_many(
         self,
         route_ids: Sequence[str],
         *,
         start: int = 0,
+        stop: int | None = None,
         missing_ok: bool = False,
         return_exceptions: bool = False,
     ) -> list[Any]:
         """See :meth:`RouteStore.get_many`."""
         ids = list(route_ids)
-        results = await self._run(self._get_op(ids, start), True)
+        results = await self._run(self._get_op(ids, start, stop), True)
         return resolve_results(
             ids, results, missing_ok=missing_ok, return_exceptions=return_exceptions
         )

@@ -62,21 +62,35 @@ MAX_JSON_WEIGHT_ROWS = 2048
 _RENDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="route-json")
 
 
-def _window(rec: RouteRecord, start: int, stop: int | None, as_json: bool) -> RouteRecord:
-    """``rec`` (rows from ``start``; ``stop > start``) cut at row ``stop`` (clipped to the
-    route's end); a JSON window over :data:`MAX_JSON_ROWS` rows is refused, naming the way to
-    read it."""
-    end = start + rec.num_tokens if stop is None else min(stop, start + rec.num_tokens)
+def _json_stop(start: int, stop: int | None) -> int:
+    """The row a JSON read stops at: one row past the larger of the two bounds (whether the
+    record has weights is known only once it is read), so that an over-long window is seen and
+    refused without the rest of a long route being read and decoded."""
+    bound = start + max(MAX_JSON_ROWS, MAX_JSON_WEIGHT_ROWS) + 1
+    return bound if stop is None else min(stop, bound)
+
+
+def _check_json_window(rec: RouteRecord, start: int, stop: int | None) -> None:
+    """Refuse a JSON window (``rec``: rows ``start..stop`` as read up to :func:`_json_stop`)
+    over :data:`MAX_JSON_ROWS` rows (:data:`MAX_JSON_WEIGHT_ROWS` with weights), naming the way
+    to read it."""
     most = MAX_JSON_ROWS if rec.weights is None else MAX_JSON_WEIGHT_ROWS
-    if as_json and end - start > most:
-        with_weights = "" if rec.weights is None else " with its weights"
-        raise InvalidRequestError(
-            f"a JSON route{with_weights} is at most {most} rows; rows [{start}, {end}) are "
-            f"{end - start}: page with start and stop, or read the binary form",
-            param="stop",
-            code="json_rows_over_limit",
-        )
-    return rec if end == start + rec.num_tokens else rec.rows(0, end - start)
+    n = rec.num_tokens
+    if n <= most:
+        return
+    end, read_stop = start + n, _json_stop(start, stop)
+    # A read cut at the JSON bound (not at the caller's stop) leaves the route's end unknown.
+    if end < read_stop or read_stop == stop:
+        rows = f"rows [{start}, {end}) are {n}"
+    else:
+        rows = f"the rows from {start} on exceed {most}"
+    with_weights = "" if rec.weights is None else " with its weights"
+    raise InvalidRequestError(
+        f"a JSON route{with_weights} is at most {most} rows; {rows}: page with start and stop, "
+        "or read the binary form",
+        param="stop",
+        code="json_rows_over_limit",
+    )
 
 
 class ServingRoutes:
@@ -99,8 +113,10 @@ class ServingRoutes:
             raise InvalidRequestError(
                 f"stop={stop} must be greater than start={start}", param="stop"
             )
+        # The store reads only the chunks of rows start..stop (a JSON read: at most its bound).
+        read_stop = _json_stop(start, stop) if as_json else stop
         try:
-            rec = await store.get(route_id, start=start)
+            rec = await store.get(route_id, start=start, stop=read_stop)
         except (RouteNotFoundError, RouteEvictedError) as e:
             raise _not_found(route_id) from e
         except RouteShapeError as e:
@@ -109,9 +125,9 @@ class ServingRoutes:
             raise RouteCorruptResponse(str(e), param="route_id") from e
         except RouteLimitError as e:
             raise RouteTooLargeResponse(str(e), param="route_id") from e
-        rec = _window(rec, start, stop, as_json)
         # Encoding (or listing) a long record is CPU work: keep it off the event loop.
         if as_json:
+            _check_json_window(rec, start, stop)
             loop = asyncio.get_running_loop()
             body = await loop.run_in_executor(_RENDER, route_json, route_id, rec)
             return Response(body, media_type="application/json")

@@ -252,3 +252,49 @@ async def test_a_json_route_over_its_row_bound_names_the_way_to_read_it(
     j = (await stored.http.get(url, params={"format": "json", "start": 64})).json()
     assert len(j["token_ids"]) == 62
     assert (await stored.http.get(url)).status_code == 200  # the binary form has no row bound
+
+
+async def test_a_page_reads_only_the_chunks_of_its_rows(
+    stored: App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the route's last chunk (rows 112..126) gone, as an eviction leaves it, a page
+    before it reads in either form, and a JSON read without ``stop`` reads no further than
+    its row bound; what needs the lost rows is a 404."""
+    import redis
+
+    from routereplay.client._layout import parse_manifest
+    from routereplay.service.serving import routes
+
+    url = "/v1/routes/retrieval-1-0"
+    rec = decode_record((await stored.http.get(url)).content)
+    raw = redis.Redis.from_url(stored.redis_url)
+    try:
+        keys = stored.store.keys
+        m = parse_manifest("retrieval-1-0", raw.get(keys.manifest("retrieval-1-0")))
+        assert len(m.digests) == 8 and raw.delete(keys.chunk(m.digests[7])) == 1
+    finally:
+        raw.close()
+    j = (await stored.http.get(url, params={"start": 16, "stop": 48, "format": "json"})).json()
+    assert j["token_ids"] == rec.token_ids[16:48].tolist()
+    assert j["experts"] == rec.experts[16:48].tolist() and j["prompt_len"] == 32
+    j = (await stored.http.get(url, params={"stop": 112, "format": "json"})).json()
+    assert j["valid"] == rec.valid[:112].tolist() and j["metadata"] == rec.metadata
+    part = decode_record((await stored.http.get(url, params={"start": 3, "stop": 112})).content)
+    assert part == rec.rows(3, 112)
+    for params in ({}, {"format": "json"}, {"start": 100, "stop": 113, "format": "json"}):
+        r = await stored.http.get(url, params=params)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "route_not_found", params
+    # A JSON read stops one row past the larger row bound: a window over it is refused from
+    # the rows read, the route's end unknown (its last chunk is never asked for).
+    monkeypatch.setattr(routes, "MAX_JSON_ROWS", 32)
+    monkeypatch.setattr(routes, "MAX_JSON_WEIGHT_ROWS", 16)
+    for params in ({"format": "json"}, {"start": 8, "stop": 500, "format": "json"}):
+        err = (await stored.http.get(url, params=params)).json()["error"]
+        assert (err["param"], err["code"]) == ("stop", "json_rows_over_limit"), params
+        assert f"the rows from {params.get('start', 0)} on exceed 32" in err["message"]
+        assert "start and stop" in err["message"] and "binary" in err["message"]
+    # Where the read reaches the caller's stop, the message gives the window's rows.
+    r = await stored.http.get(url, params={"start": 8, "stop": 41, "format": "json"})
+    assert "rows [8, 41) are 33" in r.json()["error"]["message"]
+    j = (await stored.http.get(url, params={"start": 80, "stop": 112, "format": "json"})).json()
+    assert j["token_ids"] == rec.token_ids[80:112].tolist()

@@ -572,3 +572,94 @@ def test_a_closed_store_raises_instead_of_reopening(redis_url: str) -> None:
             await st.ping()
 
     asyncio.run(main())
+
+
+def _windowed_record(T: int = 45) -> RouteRecord:
+    """A record with weights, three weight-version spans and a prompt that ends inside a chunk
+    (in blocks of 8: six chunks, the last one partial)."""
+    rec = make_record(np.arange(T) + 90_000, 11, prompt_len=20)
+    w = np.random.default_rng(T).random((T, len(MOE), K)).astype(np.float32)
+    w[~rec.valid] = 0
+    return dataclasses.replace(
+        rec, weights=w, weights_dtype="float32", num_cached_tokens=10,
+        metadata={"request_id": "w", "choice": 0},
+        weight_versions=(("v1", 0, 13), ("v2", 13, 30), ("v3", 30, T)),
+    )  # fmt: skip
+
+
+# Windows of a 45-row record in blocks of 8: chunk boundaries, rows inside a chunk, the last
+# row, the end, past the end, and one row.
+_POINTS = (0, 1, 7, 8, 9, 13, 16, 20, 29, 30, 40, 44, 45, 46, 100)
+_WINDOWS = sorted({(s, e) for s in _POINTS if s <= 45 for e in (*_POINTS, s + 1) if e > s})
+
+
+def _same_window(got: RouteRecord, whole: RouteRecord, s: int, e: int) -> None:
+    """``got`` (rows ``s..e`` read with a stop) is ``whole`` (rows ``s..`` read without one)
+    cut at ``e`` (clipped to the end), field by field."""
+    want = whole.rows(0, min(e, s + whole.num_tokens) - s)
+    where = (s, e)
+    assert got.num_tokens == want.num_tokens, where
+    assert np.array_equal(got.token_ids, want.token_ids), where
+    assert np.array_equal(got.valid, want.valid), where
+    assert np.array_equal(got.experts, want.experts), where
+    assert got.same_weights(want) and got.weights_dtype == want.weights_dtype, where
+    assert (got.prompt_len, got.num_cached_tokens) == (want.prompt_len, want.num_cached_tokens)
+    assert got.weight_versions == want.weight_versions, where
+    assert got.metadata == want.metadata, where
+    assert got == want, where
+
+
+def test_a_stop_reads_the_rows_a_cut_of_the_tail_gives(closing, redis_url: str) -> None:
+    s = closing(RouteStore.from_url(redis_url, prefix=f"st{uuid.uuid4().hex[:6]}", block_size=8))
+    rec = _windowed_record()
+    s.put("w-0", rec)
+    full = s.get("w-0")
+    assert full == rec and s.put("w-0", rec).chunks_total == 6
+    for start, stop in _WINDOWS:
+        got = s.get("w-0", start=start, stop=stop)
+        _same_window(got, s.get("w-0", start=start), start, stop)
+        assert got == full.rows(start, min(stop, 45)), (start, stop)
+    (a, b) = s.get_many(["w-0", "w-0"], start=9, stop=30)
+    assert a == b == full.rows(9, 30)
+    assert full.rows(9, 30).weight_versions == (("v1", 0, 4), ("v2", 4, 21))
+    for start, stop in ((5, 5), (5, 4), (0, 0)):
+        with pytest.raises(RouteShapeError, match=f"stop={stop} must be greater than start"):
+            s.get("w-0", start=start, stop=stop)
+    with pytest.raises(RouteShapeError, match="start=46"):
+        s.get("w-0", start=46, stop=50)
+
+
+async def test_an_async_stop_reads_the_rows_a_cut_of_the_tail_gives(redis_url: str) -> None:
+    prefix = f"sa{uuid.uuid4().hex[:6]}"
+    async with AsyncRouteStore.from_url(redis_url, prefix=prefix, block_size=8) as s:
+        rec = _windowed_record()
+        await s.put("w-0", rec)
+        for start, stop in _WINDOWS:
+            got = await s.get("w-0", start=start, stop=stop)
+            _same_window(got, await s.get("w-0", start=start), start, stop)
+        got = await s.get_many(["w-0", "nope"], start=9, stop=30, missing_ok=True)
+        assert got[0] == rec.rows(9, 30) and got[1] is None
+        with pytest.raises(RouteShapeError, match="stop=3 must be greater than start=3"):
+            await s.get("w-0", start=3, stop=3)
+
+
+def test_a_windowed_read_reads_only_the_chunks_of_its_rows(closing, redis_url: str) -> None:
+    """With chunk 4 (rows 32..40) gone, as an eviction leaves a record, the windows that need
+    no row of it still read; those that do, and the whole record, are evicted."""
+    from routereplay.client import RouteEvictedError
+    from routereplay.client._layout import parse_manifest
+
+    s = closing(RouteStore.from_url(redis_url, prefix=f"sc{uuid.uuid4().hex[:6]}", block_size=8))
+    rec = _windowed_record()
+    s.put("w-0", rec)
+    raw = closing(redis.Redis.from_url(redis_url))
+    m = parse_manifest("w-0", raw.get(s.keys.manifest("w-0")))
+    assert raw.delete(s.keys.chunk(m.digests[4])) == 1
+    for start, stop in ((0, 32), (8, 30), (31, 32), (40, 45), (40, None), (44, 100)):
+        want = rec.rows(start, 45 if stop is None else min(stop, 45))
+        assert s.get("w-0", start=start, stop=stop) == want, (start, stop)
+    for start, stop in ((0, None), (0, 33), (31, 41), (32, 40), (39, 40)):
+        with pytest.raises(RouteEvictedError):
+            s.get("w-0", start=start, stop=stop)
+    assert s.get_many(["w-0"], missing_ok=True) == [None]
+    assert s.get_many(["w-0"], stop=32, missing_ok=True) == [rec.rows(0, 32)]
