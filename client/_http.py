@@ -29,7 +29,7 @@ from ._errors import (
     RouteServiceError,
 )
 from ._keys import validate_route_id
-from ._layout import finish_read, plan_read
+from ._layout import check_stop, finish_read, plan_read
 from ._limits import DEFAULT_LIMITS, ReadLimits
 from ._record import RouteRecord
 from ._threads import DecodePool, default_decode_threads
@@ -90,9 +90,12 @@ def _raise_for(resp: httpx.Response, route_id: str | None = None) -> None:
     raise RouteServiceError(resp.status_code, message, type_, param)
 
 
-def _get_request(route_id: str, start: int) -> tuple[str, dict[str, Any]]:
+def _get_request(route_id: str, start: int, stop: int | None) -> tuple[str, dict[str, Any]]:
     validate_route_id(route_id)
+    check_stop(start, stop)
     params = {"start": start} if start else {}
+    if stop is not None:
+        params["stop"] = stop
     return f"/v1/routes/{route_id}", {"params": params, "headers": {"Accept": MEDIA_TYPE}}
 
 
@@ -106,9 +109,12 @@ class _BatchRead:
     """One ``get_many`` over HTTP: requests until no id is deferred (the service caps the bytes
     of one response), then every record assembled and verified here from the stored bytes."""
 
-    def __init__(self, route_ids: Sequence[str], start: int, limits: ReadLimits) -> None:
+    def __init__(
+        self, route_ids: Sequence[str], start: int, stop: int | None, limits: ReadLimits
+    ) -> None:
         self.ids = [validate_route_id(r) for r in route_ids]
-        self.start = start
+        check_stop(start, stop)
+        self.start, self.stop = start, stop
         self.limits = limits
         self.pending = list(dict.fromkeys(self.ids))
         self.got = RawBatch()
@@ -137,7 +143,8 @@ class _BatchRead:
 
     def results(self, missing_ok: bool, return_exceptions: bool, decoder: DecodePool) -> list[Any]:
         manifests = [self.got.manifests.get(i) for i in self.ids]
-        plan = plan_read(self.ids, manifests, self.start, self.limits)
+        # The batch endpoint sends each record's chunks from start on; only the window's decode.
+        plan = plan_read(self.ids, manifests, self.start, self.limits, stop=self.stop)
         pool = decoder.get()
         parts = 2 * decoder.threads if pool is not None else 1
         results: list[RouteRecord | RouteError | None] = finish_read(
@@ -205,9 +212,9 @@ class RoutesClient:
             raise RouteConnectionError(f"routereplay service {self._http.base_url}: {exc}") from exc
         return _capped(resp, bytes(body))
 
-    def get(self, route_id: str, *, start: int = 0) -> RouteRecord:
-        """The record for ``route_id``, rows ``start..T``."""
-        url, kw = _get_request(route_id, start)
+    def get(self, route_id: str, *, start: int = 0, stop: int | None = None) -> RouteRecord:
+        """The record for ``route_id``, rows ``start..stop`` (as :meth:`RouteStore.get`)."""
+        url, kw = _get_request(route_id, start, stop)
         return _parse_get(self._send("GET", url, **kw), route_id, self.limits)
 
     def get_many(
@@ -215,12 +222,13 @@ class RoutesClient:
         route_ids: Sequence[str],
         *,
         start: int = 0,
+        stop: int | None = None,
         missing_ok: bool = False,
         return_exceptions: bool = False,
     ) -> list[Any]:
         """Records for ``route_ids`` in order (as :meth:`RouteStore.get_many`): one request
         unless the service defers some ids past its byte cap; shared prefixes cross once."""
-        read = _BatchRead(route_ids, start, self.limits)
+        read = _BatchRead(route_ids, start, stop, self.limits)
         while (req := read.next_request()) is not None:
             read.add(self._send("POST", "/v1/routes:batch", **req))
         return read.results(missing_ok, return_exceptions, self._decoder)
@@ -279,9 +287,9 @@ class AsyncRoutesClient:
             raise RouteConnectionError(f"routereplay service {self._http.base_url}: {exc}") from exc
         return _capped(resp, bytes(body))
 
-    async def get(self, route_id: str, *, start: int = 0) -> RouteRecord:
+    async def get(self, route_id: str, *, start: int = 0, stop: int | None = None) -> RouteRecord:
         """See :meth:`RoutesClient.get`."""
-        url, kw = _get_request(route_id, start)
+        url, kw = _get_request(route_id, start, stop)
         resp = await self._send("GET", url, **kw)
         return await asyncio.to_thread(_parse_get, resp, route_id, self.limits)
 
@@ -290,11 +298,12 @@ class AsyncRoutesClient:
         route_ids: Sequence[str],
         *,
         start: int = 0,
+        stop: int | None = None,
         missing_ok: bool = False,
         return_exceptions: bool = False,
     ) -> list[Any]:
         """See :meth:`RoutesClient.get_many`."""
-        read = _BatchRead(route_ids, start, self.limits)
+        read = _BatchRead(route_ids, start, stop, self.limits)
         while (req := read.next_request()) is not None:
             read.add(await self._send("POST", "/v1/routes:batch", **req))
         # Decoding a training step's records takes a large fraction of a second: never on

@@ -16,6 +16,7 @@ from routereplay.client import (
     RouteNotFoundError,
     RoutesClient,
     RouteServiceError,
+    RouteShapeError,
     decode_record,
 )
 
@@ -298,3 +299,17 @@ async def test_a_page_reads_only_the_chunks_of_its_rows(
     assert "rows [8, 41) are 33" in r.json()["error"]["message"]
     j = (await stored.http.get(url, params={"start": 80, "stop": 112, "format": "json"})).json()
     assert j["token_ids"] == rec.token_ids[80:112].tolist()
+
+
+async def test_the_clients_read_a_window_as_the_store_does(stored: App) -> None:
+    ids = ["retrieval-1-0", "retrieval-1-1"]
+    want = await stored.store.get_many(ids, start=5, stop=40)
+    transport = httpx.ASGITransport(app=stored.app)
+    async with AsyncRoutesClient("http://testserver", transport=transport) as rc:
+        assert await rc.get(ids[0], start=5, stop=40) == want[0]
+        assert await rc.get_many(ids, start=5, stop=40) == want
+        assert await rc.get(ids[1], start=120, stop=10**6) == await stored.store.get(
+            ids[1], start=120
+        )
+        with pytest.raises(RouteShapeError, match="stop=5 must be greater than start=5"):
+            await rc.get_many(ids, start=5, stop=5)
