@@ -86,4 +86,7 @@ async def metrics(raw_request: Request) -> Response:
     """Prometheus text format (this app's own registry). Needs a key when keys are configured,
     unless --metrics-open."""
     registry = raw_request.app.state.metrics.registry
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    # The page grows with the series (tenants, buckets) and is scraped while tokens stream:
+    # rendered on a thread, as the collectors lock their own values.
+    body = await asyncio.to_thread(generate_latest, registry)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -6,6 +6,7 @@ import asyncio
 import gc
 import itertools
 import json
+import threading
 
 import pytest
 
@@ -45,6 +46,24 @@ async def test_health_ready_metrics(svc: App) -> None:
     assert await svc.metric("routereplay_completion_tokens_total") == 6
     assert await svc.metric('routereplay_requests_total{endpoint="completions",status="200"}') == 2
     assert await svc.metric("routereplay_requests_inflight") == 0
+
+
+async def test_the_metrics_page_renders_off_the_event_loop(
+    svc: App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from routereplay.service.routers import probes
+
+    rendered_on = []
+    real = probes.generate_latest
+
+    def spy(registry):
+        rendered_on.append(threading.get_ident())
+        return real(registry)
+
+    monkeypatch.setattr(probes, "generate_latest", spy)
+    r = await svc.http.get("/metrics")
+    assert r.status_code == 200 and "routereplay_requests_total" in r.text
+    assert rendered_on and threading.get_ident() not in rendered_on
 
 
 async def test_startup_heap_frozen_and_full_collections_timed(redis_url: str) -> None:
