@@ -51,7 +51,7 @@ from routereplay.local_redis import free_port, redis_server
 from . import pyspy
 from . import serving_probe as probe
 from .servers import server_process
-from .service_report import report
+from .service_report import STATS_OFF, THREADS, WEIGHTS, report
 from .serving_load import Choice, LevelLoad, make_groups, run_level
 
 __all__ = ["main"]
@@ -82,9 +82,6 @@ _ENGINE = (("engine_ttft_mean", "vllm:time_to_first_token_seconds"),
 # that telemetry costs), its routes stored in threads of the serving process (what the route
 # worker processes take off its GIL), every route stored with its routing weights (what they
 # cost against ids only).
-STATS_OFF = "rr-stats-off"
-THREADS = "rr-threads"
-WEIGHTS = "rr-weights"
 VARIANTS = {STATS_OFF: ["--routing-stats-window-s", "0"], THREADS: ["--route-workers", "0"],
             WEIGHTS: ["--route-weights", "on"]}  # fmt: skip
 

@@ -10,10 +10,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-__all__ = ["report"]
+__all__ = ["STATS_OFF", "THREADS", "WEIGHTS", "report"]
 
 # routereplay with one setting changed (bench service's VARIANTS).
-_VARIANTS = ("rr-stats-off", "rr-threads", "rr-weights")
+# routereplay with one setting changed (bench service's VARIANTS give each one's flags).
+STATS_OFF, THREADS, WEIGHTS = "rr-stats-off", "rr-threads", "rr-weights"
+_VARIANTS = (STATS_OFF, THREADS, WEIGHTS)
 _SERVERS = ("floor", "peer", *_VARIANTS, "routereplay")
 
 
