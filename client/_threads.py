@@ -44,7 +44,8 @@ def _cgroup_quota(root: Path, proc_cgroup: Path) -> float | None:
         if controllers == "":  # v2: "0::/path"
             quotas += [_v2_quota(d / "cpu.max") for d in _dirs(root, path)]
         elif "cpu" in controllers.split(","):
-            for mount in (root / "cpu", root / "cpu,cpuacct", root / controllers):
+            # The mount's name varies by distribution; each distinct folder is read once.
+            for mount in dict.fromkeys((root / "cpu", root / "cpu,cpuacct", root / controllers)):
                 quotas += [_v1_quota(d) for d in _dirs(mount, path)]
     quotas = [q for q in quotas if q is not None]
     return min(quotas) if quotas else None
